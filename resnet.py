@@ -1,0 +1,64 @@
+"""The seed's ResNet for 32x32 images, with its channel count as a knob.
+
+Layout (width w = 64 is the seed's network, 9,553,674 parameters):
+
+    stem   3x3 conv 3 -> w, BN, ReLU                    32x32
+    block  w  -> 2w, stride 2                           16x16
+    block  2w -> 4w, stride 2                            8x8
+    block  4w -> 8w, stride 1                            8x8
+    block  8w -> 8w, stride 1 (identity shortcut)        8x8
+    head   global average pool, Linear(8w, num_classes)
+
+Each block is two 3x3 conv + BN with a ReLU between them, plus a 1x1 conv + BN
+shortcut where the channel count changes. As in the seed, the block returns
+the plain sum of its two paths (no ReLU after the sum).
+"""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class ResBlock(nn.Module):
+    def __init__(self, ch_in: int, ch_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv_1 = nn.Conv2d(ch_in, ch_out, kernel_size=3, stride=stride, padding=1)
+        self.bn_1 = nn.BatchNorm2d(ch_out)
+        self.conv_2 = nn.Conv2d(ch_out, ch_out, kernel_size=3, stride=1, padding=1)
+        self.bn_2 = nn.BatchNorm2d(ch_out)
+        # The seed projects the shortcut only when the channel count changes;
+        # block 4 (8w -> 8w, stride 1) keeps an identity shortcut.
+        self.shortcut: nn.Module = nn.Identity()
+        if ch_in != ch_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(ch_in, ch_out, kernel_size=1, stride=stride), nn.BatchNorm2d(ch_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        residual = F.relu(self.bn_1(self.conv_1(x)))
+        residual = self.bn_2(self.conv_2(residual))
+        return residual + self.shortcut(x)
+
+
+class ResNet(nn.Module):
+    def __init__(self, width: int = 64, num_classes: int = 10) -> None:
+        super().__init__()
+        if width < 1 or num_classes < 1:
+            raise ValueError(f"width and num_classes must be positive, got {width} and {num_classes}")
+        self.stem = nn.Sequential(nn.Conv2d(3, width, kernel_size=3, padding=1), nn.BatchNorm2d(width))
+        self.blocks = nn.Sequential(
+            ResBlock(width, 2 * width, stride=2),
+            ResBlock(2 * width, 4 * width, stride=2),
+            ResBlock(4 * width, 8 * width, stride=1),
+            ResBlock(8 * width, 8 * width, stride=1),
+        )
+        self.head = nn.Linear(8 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(F.relu(self.stem(x)))
+        x = F.adaptive_avg_pool2d(x, 1).flatten(1)
+        return self.head(x)
+
+
+if __name__ == "__main__":
+    for w in (8, 16, 64):
+        print(f"width {w}: {sum(p.numel() for p in ResNet(w).parameters()):,} parameters")
