@@ -1,0 +1,95 @@
+"""The process model with real processes: device and backend, ports, threads, and failures."""
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+import distribute_tools as dt
+from tests import workers
+
+
+@pytest.fixture(autouse=True)
+def own_environment():
+    """run_distribute exports MASTER_ADDR/MASTER_PORT for its children: keep each test's to itself."""
+    saved = dict(os.environ)
+    for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def reports(out_dir, world_size):
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def test_cpu_gets_gloo_and_two_processes():
+    assert dt.device_and_backend(0) == (torch.device("cpu"), "gloo")
+    assert dt.resolve_world_size(0) == 2
+    assert dt.resolve_world_size(3) == 3
+    with pytest.raises(dt.UserError, match="negative"):
+        dt.resolve_world_size(-1)
+
+
+def test_torchrun_decides_the_world_size(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    assert dt.under_torchrun() and dt.resolve_world_size(2) == 6
+
+
+def test_spawned_ranks_with_a_free_port_while_the_usual_ones_are_taken(tmp_path):
+    held = []
+    for port in (12355, 29500):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+            s.listen()
+            held.append(s)
+        except OSError:  # already taken by something else: just as good for this test
+            s.close()
+    try:
+        assert dt.run_distribute(workers.report_worker, 2, str(tmp_path)) == 0
+    finally:
+        for s in held:
+            s.close()
+    facts = reports(tmp_path, 2)
+    assert [f["rank"] for f in facts] == [0, 1] and [f["is_main"] for f in facts] == [True, False]
+    assert {f["backend"] for f in facts} == {"gloo"} and {f["device"] for f in facts} == {"cpu"}
+    assert {f["master_addr"] for f in facts} == {"127.0.0.1"}
+    port = {f["master_port"] for f in facts}
+    assert len(port) == 1 and port.isdisjoint({"12355", "29500"})
+    # the ranks of one machine share its cores instead of each taking all of them
+    assert {f["threads"] for f in facts} == {max(1, dt.cpu_cores() // 2)}
+
+
+def test_master_port_from_the_environment_is_honoured(tmp_path):
+    port = str(dt.free_port())
+    os.environ["MASTER_PORT"] = port
+    assert dt.run_distribute(workers.report_worker, 2, str(tmp_path)) == 0
+    assert {f["master_port"] for f in reports(tmp_path, 2)} == {port}
+
+
+def test_a_raising_worker_ends_the_run_and_names_its_rank(capfd, tmp_path):
+    port = str(dt.free_port())
+    os.environ["MASTER_PORT"] = port
+    started = time.monotonic()
+    assert dt.run_distribute(workers.raising_worker, 2) != 0
+    assert time.monotonic() - started < 60
+    err = capfd.readouterr().err
+    assert "[rank 1] failed" in err and "raised on purpose by the test" in err
+    # the port is released: an immediate rerun on the same port works
+    assert dt.run_distribute(workers.report_worker, 2, str(tmp_path)) == 0
+    assert {f["master_port"] for f in reports(tmp_path, 2)} == {port}
+
+
+def test_a_rank_stuck_outside_collectives_times_out_the_others(capfd):
+    started = time.monotonic()
+    assert dt.run_distribute(workers.hanging_worker, 2, 3.0) != 0
+    assert time.monotonic() - started < 60, "the collective timeout did not end the run"
+    err = capfd.readouterr().err
+    assert "[rank 0] failed" in err

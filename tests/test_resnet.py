@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from resnet import ResNet
+
+SEED_NETWORK_PARAMETERS = 9_553_674  # the seed's resnet.py, counted with torch
+
+
+def expected_parameters(w: int, classes: int = 10) -> int:
+    """The architecture's count from its description: conv k x k (weights + bias), BN (2 per channel)."""
+    conv = lambda cin, cout, k: cin * cout * k * k + cout  # noqa: E731
+    bn = lambda c: 2 * c  # noqa: E731
+    block = lambda cin, cout: conv(cin, cout, 3) + bn(cout) + conv(cout, cout, 3) + bn(cout) + (  # noqa: E731
+        conv(cin, cout, 1) + bn(cout) if cin != cout else 0)
+    return (conv(3, w, 3) + bn(w) + block(w, 2 * w) + block(2 * w, 4 * w) + block(4 * w, 8 * w)
+            + block(8 * w, 8 * w) + 8 * w * classes + classes)
+
+
+def count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_default_is_the_seed_network():
+    assert count(ResNet()) == SEED_NETWORK_PARAMETERS == expected_parameters(64)
+
+
+@pytest.mark.parametrize("width", [8, 16, 32])
+def test_width_scales_every_layer(width):
+    model = ResNet(width)
+    assert count(model) == expected_parameters(width)
+    assert model.stem[0].out_channels == width
+    assert model.head.in_features == 8 * width
+
+
+@pytest.mark.parametrize("width,classes", [(8, 10), (16, 7)])
+def test_output_shape(width, classes):
+    model = ResNet(width, num_classes=classes).eval()
+    assert model(torch.randn(5, 3, 32, 32)).shape == (5, classes)
+    assert count(ResNet(width, classes)) == expected_parameters(width, classes)
+
+
+def test_block_returns_the_plain_sum_like_the_seed():
+    """The seed adds the two paths without a ReLU after the sum, so a block's output can be negative."""
+    block = ResNet(8).blocks[0].eval()
+    assert (block(torch.randn(4, 8, 16, 16)) < 0).any()
+
+
+def test_rejects_zero_width():
+    with pytest.raises(ValueError):
+        ResNet(0)
