@@ -171,14 +171,15 @@ def _worker_entry(rank: int, worker: Callable[..., None], world_size: int, args:
         worker(rank, world_size, *args)
     except UserError as e:
         if local_rank == 0:  # every rank sees the same problem: say it once per machine
-            _print_error(f"error: {e}")
+            _print_error(f"{'' if rank == 0 else f'[rank {rank}] '}error: {e}")
         sys.exit(EXIT_REPORTED)
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
     except Exception as e:
         if rank == 0 and not under_torchrun() and _is_port_taken(e):
             sys.exit(EXIT_PORT_TAKEN)  # the launcher retries with another port
-        _print_error(f"[rank {rank}] failed:\n{traceback.format_exc().rstrip()}")
+        lines = [f"failed with {type(e).__name__}:", *traceback.format_exc().rstrip().splitlines()]
+        _print_error("\n".join(f"[rank {rank}] {line}" for line in lines))
         sys.exit(1)
 
 

@@ -31,8 +31,9 @@ SYNTHETIC_SIZE = 10_000  # training images of DATASET="synthetic" (and a fifth a
 OUTPUT_DIR = "./output"  # CSV, picture and checkpoint; an earlier run's files there move to previous-<time>/
 # model
 WIDTH = 64  # channels of the first layer: 64 is the seed's network (9.6 M parameters); 16 or 8 for quick CPU runs
+RELU_AFTER_SUM = True  # ReLU on each residual block's sum, as standard ResNets do; False: the seed's block exactly
 # recipe (defaults: the fast one; the seed's: OPTIMIZER="adam" LR=1e-3 SCHEDULE="constant" BATCH_SIZE=256 EPOCHS=100
-#         WEIGHT_DECAY=0 LABEL_SMOOTHING=0 AUGMENT=False TTA=False)
+#         WEIGHT_DECAY=0 LABEL_SMOOTHING=0 AUGMENT=False TTA=False RELU_AFTER_SUM=False)
 EPOCHS = 30  # passes over the training set
 BATCH_SIZE = 512  # global batch: images per optimizer step over all ranks together, split evenly between them
 OPTIMIZER = "sgd"  # "sgd" (Nesterov momentum) or "adam"
@@ -69,7 +70,7 @@ from outputs import (  # noqa: E402
 from resnet import ResNet  # noqa: E402
 
 # Constants a resumed run must share with its checkpoint: they shape the run itself.
-RUN_SHAPING = ("DATASET", "SYNTHETIC_SIZE", "WIDTH", "EPOCHS", "BATCH_SIZE", "OPTIMIZER", "LR", "SCHEDULE", "WARMUP",
+RUN_SHAPING = ("DATASET", "SYNTHETIC_SIZE", "WIDTH", "RELU_AFTER_SUM", "EPOCHS", "BATCH_SIZE", "OPTIMIZER", "LR", "SCHEDULE", "WARMUP",
                "MOMENTUM", "WEIGHT_DECAY", "LABEL_SMOOTHING", "AUGMENT", "SEED")
 LR_REFERENCE_BATCH = 512  # sgd's LR is stated per this many images
 
@@ -357,7 +358,7 @@ def build_training(cfg: SimpleNamespace, d: Dist) -> Training:
     if d.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest convolution once
     torch.manual_seed(cfg.SEED)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = ResNet(cfg.WIDTH, num_classes=len(train_set.classes))
+    model = ResNet(cfg.WIDTH, num_classes=len(train_set.classes), relu_after_sum=cfg.RELU_AFTER_SUM)
     model = model.to(d.device, memory_format=torch.channels_last)
     device_ids = [d.device.index] if d.device.type == "cuda" else None
     step_model: nn.Module = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=False,
@@ -401,7 +402,7 @@ def describe(t: Training) -> str:
     cfg, d = t.cfg, t.d
     parameters = sum(p.numel() for p in t.model.parameters())
     precision = "bf16 autocast" if t.bf16 else "fp32"
-    return (f"ResNet(width={cfg.WIDTH}, {parameters:,} parameters) on {cfg.DATASET} ({len(t.train_data):,} train, "
+    return (f"ResNet(width={cfg.WIDTH}, {parameters:,} parameters{'' if cfg.RELU_AFTER_SUM else ', seed blocks'}) on {cfg.DATASET} ({len(t.train_data):,} train, "
             f"{len(t.test_data):,} test images) | {d.world_size} rank(s) on {d.device.type} ({d.backend}) | "
             f"global batch {cfg.BATCH_SIZE} ({cfg.BATCH_SIZE // d.world_size} per rank), {t.steps_per_epoch} steps "
             f"per epoch, {cfg.EPOCHS} epochs | {cfg.OPTIMIZER} peak lr {peak_lr(cfg):.4g} | {precision}"

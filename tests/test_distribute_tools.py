@@ -81,7 +81,7 @@ def test_a_raising_worker_ends_the_run_and_names_its_rank(capfd, tmp_path):
     assert dt.run_distribute(workers.raising_worker, 2) != 0
     assert time.monotonic() - started < 60
     err = capfd.readouterr().err
-    assert "[rank 1] failed" in err and "raised on purpose by the test" in err
+    assert "[rank 1] failed with RuntimeError" in err and "[rank 1] RuntimeError: raised on purpose by the test" in err
     # the port is released: an immediate rerun on the same port works
     assert dt.run_distribute(workers.report_worker, 2, str(tmp_path)) == 0
     assert {f["master_port"] for f in reports(tmp_path, 2)} == {port}
@@ -92,4 +92,4 @@ def test_a_rank_stuck_outside_collectives_times_out_the_others(capfd):
     assert dt.run_distribute(workers.hanging_worker, 2, 3.0) != 0
     assert time.monotonic() - started < 60, "the collective timeout did not end the run"
     err = capfd.readouterr().err
-    assert "[rank 0] failed" in err
+    assert "[rank 0] failed with" in err

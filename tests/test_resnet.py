@@ -39,10 +39,15 @@ def test_output_shape(width, classes):
     assert count(ResNet(width, classes)) == expected_parameters(width, classes)
 
 
-def test_block_returns_the_plain_sum_like_the_seed():
-    """The seed adds the two paths without a ReLU after the sum, so a block's output can be negative."""
-    block = ResNet(8).blocks[0].eval()
-    assert (block(torch.randn(4, 8, 16, 16)) < 0).any()
+def test_relu_after_the_sum_or_the_seeds_plain_sum():
+    """The seed adds the two paths without a ReLU, so its blocks can output negative values."""
+    x = torch.randn(4, 8, 16, 16)
+    seed_block, standard_block = ResNet(8, relu_after_sum=False).blocks[0], ResNet(8).blocks[0]
+    standard_block.load_state_dict(seed_block.state_dict())
+    seed_out, standard_out = seed_block.eval()(x), standard_block.eval()(x)
+    assert (seed_out < 0).any() and (standard_out >= 0).all()
+    torch.testing.assert_close(standard_out, seed_out.clamp(min=0))
+    assert count(ResNet(64, relu_after_sum=False)) == count(ResNet(64)) == SEED_NETWORK_PARAMETERS
 
 
 def test_rejects_zero_width():
