@@ -45,6 +45,14 @@ def write_csv(history: list[dict[str, float]], output_dir: str) -> None:
     write_atomically(os.path.join(output_dir, CSV_NAME), lambda tmp: pd.DataFrame(history).to_csv(tmp, index=False))
 
 
+def remove_stale_temporaries(output_dir: str) -> None:
+    """Temporary files of a run killed in mid-write: never complete, never needed."""
+    if os.path.isdir(output_dir):
+        for name in os.listdir(output_dir):
+            if name.startswith(tuple(f"{result}.tmp" for result in RESULT_FILES)):
+                os.remove(os.path.join(output_dir, name))
+
+
 def move_aside_earlier_results(output_dir: str) -> Optional[str]:
     """A new run never overwrites an earlier one: its files move to OUTPUT_DIR/previous-<time>/."""
     found = [name for name in RESULT_FILES if os.path.exists(os.path.join(output_dir, name))]
@@ -71,7 +79,7 @@ def plot_history(history: list[dict[str, float]], output_dir: str) -> None:
 
     epochs = [row["epoch"] for row in history]
     figure, (loss_ax, acc_ax, lr_ax) = plt.subplots(1, 3, figsize=(13, 3.8))
-    loss_ax.plot(epochs, [row["loss"] for row in history], "o-", label="train loss")
+    loss_ax.plot(epochs, [row["loss"] for row in history], "o-", label="train loss (label-smoothed)")
     loss_ax.plot(epochs, [row["test_loss"] for row in history], "s-", label="test loss")
     loss_ax.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
     loss_ax.legend()

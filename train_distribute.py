@@ -64,8 +64,8 @@ from distribute_tools import (  # noqa: E402
     Dist, UserError, bf16_is_fast, cleanup, raise_if_any, resolve_world_size, run_distribute, setup, under_torchrun,
 )
 from outputs import (  # noqa: E402
-    Progress, epoch_line, load_checkpoint, move_aside_earlier_results, plot_history, save_checkpoint, summary_line,
-    write_csv, CHECKPOINT_NAME,
+    CHECKPOINT_NAME, Progress, epoch_line, load_checkpoint, move_aside_earlier_results, plot_history,
+    remove_stale_temporaries, save_checkpoint, summary_line, write_csv,
 )
 from resnet import ResNet  # noqa: E402
 
@@ -328,6 +328,7 @@ def train(cfg: SimpleNamespace, d: Dist) -> None:
         if moved:
             print(f"moved the earlier run's results in {cfg.OUTPUT_DIR} to {moved}")
     if d.is_main:
+        remove_stale_temporaries(cfg.OUTPUT_DIR)
         print(describe(t))
         if history:
             write_csv(history, cfg.OUTPUT_DIR)  # rows after the checkpoint's epoch (if any) go: they are redone
@@ -339,7 +340,7 @@ def train(cfg: SimpleNamespace, d: Dist) -> None:
             save_results(t, history)
             print(epoch_line(history[-1], cfg.EPOCHS), flush=True)
     if d.is_main:
-        print(summary_line(history[-cfg.EPOCHS:], time.perf_counter() - started, cfg.OUTPUT_DIR), flush=True)
+        print(summary_line(history, time.perf_counter() - started, cfg.OUTPUT_DIR), flush=True)
 
 
 def fetch_dataset_per_machine(cfg: SimpleNamespace, d: Dist) -> None:

@@ -160,6 +160,7 @@ def test_kill_9_then_resume_gives_every_epoch_once_and_the_same_numbers(referenc
     assert result.returncode == 0, result.stderr
     resumed, reference = pd.read_csv(folder / "pytorch_res.csv"), pd.read_csv(out / "pytorch_res.csv")
     assert resumed["epoch"].tolist() == [1, 2, 3, 4, 5], f"killed after {killed_after} rows"
+    assert not list(folder.glob("*.tmp*")), "a temporary file of the killed run is left"
     for column in ("loss", "acc", "test_loss", "lr"):
         assert resumed[column].tolist() == pytest.approx(reference[column].tolist(), abs=1e-5), column
 
