@@ -224,11 +224,15 @@ def train_step(t: Training, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn
     return loss.detach(), (logits.argmax(dim=1) == y).sum()
 
 
+def loss_function(cfg: SimpleNamespace) -> nn.Module:
+    return nn.CrossEntropyLoss(label_smoothing=cfg.LABEL_SMOOTHING)
+
+
 def train_epoch(t: Training, epoch: int, progress: Progress) -> tuple[list[float], float, float]:
     """One epoch of training steps. Returns the all-ranks sums [loss x images, correct, images],
     this rank's seconds of training (steps only) and the last step's learning rate."""
     cfg, d = t.cfg, t.d
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.LABEL_SMOOTHING)
+    loss_fn = loss_function(cfg)
     total_steps = cfg.EPOCHS * t.steps_per_epoch
     first_step = (epoch - 1) * t.steps_per_epoch
     sums = torch.zeros(3, device=d.device)

@@ -8,18 +8,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 echo "== 1. throughput (global batch 512, width 64)"
-python benchmarks/throughput.py --world_size=1 --batch_size=512 --steps=60 --warmup=10
-python benchmarks/throughput.py --world_size=1 --batch_size=512 --steps=60 --warmup=10 --compile
+python3 benchmarks/throughput.py --world_size=1 --batch_size=512 --steps=60 --warmup=10
+python3 benchmarks/throughput.py --world_size=1 --batch_size=512 --steps=60 --warmup=10 --compile
 
 echo "== 2. accuracy: default recipe, width 64"
 if [ -n "${1:-}" ]; then data="--dataset=imagefolder --data_dir=$1"; else data="--dataset=cifar10"; fi
 out=runs/gpu-accuracy
 rm -rf "$out"
-python train_distribute.py $data --width=64 --world_size=1 --output_dir=$out
-python - "$out/pytorch_res.csv" <<'PY'
+python3 train_distribute.py $data --width=64 --world_size=1 --output_dir=$out
+python3 - "$out/pytorch_res.csv" <<'PY'
 import sys
 import pandas as pd
 df = pd.read_csv(sys.argv[1])

@@ -93,3 +93,14 @@ def test_a_rank_stuck_outside_collectives_times_out_the_others(capfd):
     assert time.monotonic() - started < 60, "the collective timeout did not end the run"
     err = capfd.readouterr().err
     assert "[rank 0] failed with" in err
+
+
+def test_more_ranks_than_gpus_is_refused_before_anything_starts(monkeypatch):
+    monkeypatch.setattr(dt, "gpu_count", lambda: 2)
+    assert dt.resolve_world_size(0) == 2 and dt.resolve_world_size(1) == 1
+    with pytest.raises(dt.UserError, match="WORLD_SIZE=3 but this machine has 2 GPU"):
+        dt.resolve_world_size(3)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(dt.UserError, match="--nproc_per_node=2 or fewer"):
+        dt.resolve_world_size(0)

@@ -1,0 +1,64 @@
+"""The recipe's switches: label smoothing, flip test-time augmentation, and the seed's recipe end to end."""
+import os
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train_distribute as td
+from distribute_tools import cleanup, free_port, setup
+from outputs import load_checkpoint
+from tests.conftest import TINY, run_script
+
+
+@pytest.fixture
+def one_rank():
+    """A real process group of one rank (gloo) inside the test process."""
+    saved = dict(os.environ)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    d = setup(0, 1, timeout_s=60)
+    yield d
+    cleanup(finished=True)
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_label_smoothing_is_the_constants(smoothing):
+    logits, targets = torch.randn(16, 10), torch.randint(10, (16,))
+    loss = td.loss_function(td.read_config([f"--label_smoothing={smoothing}"]))(logits, targets)
+    log_p = F.log_softmax(logits, dim=1)
+    smooth_target = torch.full_like(log_p, smoothing / 10).scatter_(1, targets[:, None], 1 - smoothing + smoothing / 10)
+    torch.testing.assert_close(loss, -(smooth_target * log_p).sum(1).mean())
+
+
+def test_tta_switch_averages_each_image_with_its_mirror(reference_run, one_rank):
+    out, _ = reference_run
+    cfg = td.read_config([*TINY, "--world_size=1", f"--output_dir={out}", "--amp=False"])
+    t = td.build_training(cfg, one_rank)
+    td.restore(t, load_checkpoint(str(out)))
+    results = {}
+    for tta in (False, True):
+        t.cfg.TTA = tta
+        results[tta] = td.evaluate(t)
+    t.model.eval()
+    with torch.no_grad():
+        x, y = next(t.test_data.eval_batches(1, 0, batch_size=len(t.test_data)))
+        plain, mirrored = t.model(x), t.model(x.flip(3))
+    for tta, logits in ((False, plain), (True, (plain + mirrored) / 2)):
+        loss, acc = results[tta]
+        assert acc == (logits.argmax(1) == y).float().mean().item()
+        assert loss == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
+    assert results[True][0] != results[False][0]
+
+
+def test_seed_recipe_runs_end_to_end(tmp_path):
+    seed_recipe = ["--optimizer=adam", "--lr=1e-3", "--schedule=constant", "--weight_decay=0", "--label_smoothing=0",
+                   "--augment=False", "--tta=False", "--relu_after_sum=False"]
+    result = run_script(*TINY, *seed_recipe, "--epochs=3", f"--output_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert "seed blocks" in result.stdout and "adam peak lr 0.001" in result.stdout
+    df = pd.read_csv(tmp_path / "pytorch_res.csv")
+    assert df["lr"].tolist() == [1e-3] * 3
+    assert df["acc"].iloc[-1] > 0.3, "10 classes: chance is 0.1"
