@@ -4,6 +4,7 @@
     setup(rank, world_size, timeout_s) -> Dist   join the process group; the one place that picks
                                                  device, backend and CPU threads
     cleanup(finished)                            leave the group (barrier first on the normal path)
+    with process_group(rank, world_size) as d:   setup, then cleanup however the block ends
 
 Started by torchrun (RANK, LOCAL_RANK and WORLD_SIZE in the environment) the worker
 runs in this process and nothing is spawned; otherwise `run_distribute` spawns one
@@ -17,8 +18,9 @@ import signal
 import socket
 import sys
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -91,7 +93,7 @@ def resolve_world_size(requested: int) -> int:
 def bf16_is_fast(device: torch.device) -> bool:
     """bf16 autocast pays off on GPUs with bf16 and on CPUs with native bf16 instructions."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and newer; older GPUs only emulate bf16
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
@@ -117,17 +119,20 @@ def setup(rank: int, world_size: int, timeout_s: float = 600.0) -> Dist:
         torch.cuda.set_device(device)  # before init, so NCCL never puts two ranks on GPU 0
         if "device_id" in inspect.signature(dist.init_process_group).parameters:
             options["device_id"] = device
-    else:
-        # Ranks of one machine share its cores; more threads than cores slows every rank.
-        torch.set_num_threads(max(1, cpu_cores() // local_world_size))
+    # Ranks of one machine share its cores; more threads than cores slows every rank.
+    torch.set_num_threads(max(1, cpu_cores() // local_world_size))
     dist.init_process_group(backend, rank=rank, world_size=world_size, **options)
     return Dist(rank, local_rank, world_size, local_world_size, device, backend)
 
 
-def barrier() -> None:
-    """A barrier that works the same on gloo and NCCL (an all-reduce of one number)."""
+def barrier() -> torch.Tensor:
+    """Wait until every rank gets here, on gloo and NCCL alike: an all-reduce of one number, read
+    back on the host (on NCCL the all-reduce alone returns as soon as it is queued)."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    dist.all_reduce(torch.zeros(1, device=device))
+    token = torch.zeros(1, device=device)
+    dist.all_reduce(token)
+    token.item()
+    return token
 
 
 def raise_if_any(error: Optional[str]) -> None:
@@ -141,12 +146,51 @@ def raise_if_any(error: Optional[str]) -> None:
 
 def cleanup(finished: bool) -> None:
     """Leave the process group. On the normal path wait for every rank first: a rank that tears
-    the group down while another still uses it (rank 0 writing files, say) aborts the run."""
+    the group down while another still uses it (rank 0 writing files, say) aborts the run.
+    After a failure, never wait: NCCL's destroy waits for collectives that the peers may never join."""
     if not dist.is_initialized():
         return
     if finished:
-        barrier()
+        # Hold the barrier's tensor until the group is gone: in torch 2.4 gloo's worker thread can
+        # otherwise free it during destroy and wait for the GIL that destroy holds (a deadlock).
+        token = barrier()
+        dist.destroy_process_group()
+        del token
+        return
+    if dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+        dist.distributed_c10d._abort_process_group()
+        return
     dist.destroy_process_group()
+
+
+@contextmanager
+def process_group(rank: int, world_size: int, timeout_s: float = 600.0) -> Iterator[Dist]:
+    """setup(), then cleanup() however the block ends. A failure is reported before the group is
+    left: once one rank exits, the launcher stops the others, and a later report could be lost."""
+    d = setup(rank, world_size, timeout_s)
+    finished = False
+    try:
+        yield d
+        finished = True
+    except BaseException as error:
+        report_failure(error, d.rank, d.local_rank)
+        raise
+    finally:
+        cleanup(finished)
+
+
+def report_failure(error: BaseException, rank: int, local_rank: int) -> None:
+    """A UserError as one line (once per machine: every rank sees the same problem), anything
+    unexpected as a traceback; every line of a rank other than 0 starts with its rank."""
+    if getattr(error, "reported", False) or isinstance(error, (KeyboardInterrupt, SystemExit)):
+        return
+    if isinstance(error, UserError):
+        if local_rank == 0:
+            _print_error(f"{'' if rank == 0 else f'[rank {rank}] '}error: {error}")
+    else:
+        lines = [f"failed with {type(error).__name__}:", *traceback.format_exc().rstrip().splitlines()]
+        _print_error("\n".join(f"[rank {rank}] {line}" for line in lines))
+    error.reported = True  # type: ignore[attr-defined]
 
 
 def free_port() -> int:
@@ -164,23 +208,35 @@ def _print_error(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _die_with_parent() -> None:
+    """A rank must not outlive its launcher (`kill -9` of the launcher, say): Linux sends it SIGKILL
+    when the launcher dies. (torch asks for SIGINT, which a shell's background job ignores.)"""
+    if sys.platform.startswith("linux") and not under_torchrun():  # torchrun watches its workers itself
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 def _worker_entry(rank: int, worker: Callable[..., None], world_size: int, args: tuple) -> None:
     """Runs `worker` in one rank and turns its failure into an exit code the launcher understands."""
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    _die_with_parent()
     try:
         worker(rank, world_size, *args)
-    except UserError as e:
-        if local_rank == 0:  # every rank sees the same problem: say it once per machine
-            _print_error(f"{'' if rank == 0 else f'[rank {rank}] '}error: {e}")
-        sys.exit(EXIT_REPORTED)
-    except KeyboardInterrupt:
-        sys.exit(EXIT_INTERRUPTED)
-    except Exception as e:
-        if rank == 0 and not under_torchrun() and _is_port_taken(e):
+    except BaseException as error:
+        if rank == 0 and not under_torchrun() and _is_port_taken(error):
             sys.exit(EXIT_PORT_TAKEN)  # the launcher retries with another port
-        lines = [f"failed with {type(e).__name__}:", *traceback.format_exc().rstrip().splitlines()]
-        _print_error("\n".join(f"[rank {rank}] {line}" for line in lines))
-        sys.exit(1)
+        report_failure(error, rank, int(os.environ.get("LOCAL_RANK", rank)))
+        sys.exit(_exit_code(error))
+
+
+def _exit_code(error: BaseException) -> int:
+    if isinstance(error, UserError):
+        return EXIT_REPORTED
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(error, SystemExit):
+        return 0 if error.code is None else error.code if isinstance(error.code, int) else 1
+    return 1
 
 
 def run_distribute(worker: Callable[..., None], world_size: int, *args: Any) -> int:

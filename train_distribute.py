@@ -61,7 +61,7 @@ CONSTANTS = {name: value for name, value in dict(globals()).items()
 # The project's modules come after the constants so that the block above stays the first thing to read.
 from data import DATASETS, DeviceLoader, count_training_images, download_cifar10, load_dataset  # noqa: E402
 from distribute_tools import (  # noqa: E402
-    Dist, UserError, bf16_is_fast, cleanup, raise_if_any, resolve_world_size, run_distribute, setup, under_torchrun,
+    Dist, UserError, bf16_is_fast, process_group, raise_if_any, resolve_world_size, run_distribute, under_torchrun,
 )
 from outputs import (  # noqa: E402
     CHECKPOINT_NAME, Progress, epoch_line, load_checkpoint, move_aside_earlier_results, plot_history,
@@ -70,8 +70,8 @@ from outputs import (  # noqa: E402
 from resnet import ResNet  # noqa: E402
 
 # Constants a resumed run must share with its checkpoint: they shape the run itself.
-RUN_SHAPING = ("DATASET", "SYNTHETIC_SIZE", "WIDTH", "RELU_AFTER_SUM", "EPOCHS", "BATCH_SIZE", "OPTIMIZER", "LR", "SCHEDULE", "WARMUP",
-               "MOMENTUM", "WEIGHT_DECAY", "LABEL_SMOOTHING", "AUGMENT", "SEED")
+RUN_SHAPING = ("DATASET", "SYNTHETIC_SIZE", "WIDTH", "RELU_AFTER_SUM", "EPOCHS", "BATCH_SIZE", "OPTIMIZER", "LR",
+               "SCHEDULE", "WARMUP", "MOMENTUM", "WEIGHT_DECAY", "LABEL_SMOOTHING", "AUGMENT", "SEED")
 LR_REFERENCE_BATCH = 512  # sgd's LR is stated per this many images
 
 
@@ -308,34 +308,18 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def main_worker(rank: int, world_size: int, cfg: SimpleNamespace) -> None:
     """Everything one rank does, from joining the group to leaving it."""
-    d = setup(rank, world_size, cfg.COLLECTIVE_TIMEOUT)
-    finished = False
-    try:
+    with process_group(rank, world_size, cfg.COLLECTIVE_TIMEOUT) as d:
         train(cfg, d)
-        finished = True
-    finally:
-        cleanup(finished)
 
 
 def train(cfg: SimpleNamespace, d: Dist) -> None:
+    """Data and model, a new start or a resumed one, then the epochs; rank 0 reports and writes."""
     if under_torchrun():
         fetch_dataset_per_machine(cfg, d)
         if d.is_main and cfg.WORLD_SIZE not in (0, d.world_size):
             print(f"warning: WORLD_SIZE={cfg.WORLD_SIZE} is ignored under torchrun, which started {d.world_size} ranks")
     t = build_training(cfg, d)
-    checkpoint = shared_checkpoint(cfg, d)
-    history: list[dict[str, float]] = []
-    if checkpoint is not None:
-        history = restore(t, checkpoint)
-    elif d.is_main:
-        moved = move_aside_earlier_results(cfg.OUTPUT_DIR)
-        if moved:
-            print(f"moved the earlier run's results in {cfg.OUTPUT_DIR} to {moved}")
-    if d.is_main:
-        remove_stale_temporaries(cfg.OUTPUT_DIR)
-        print(describe(t))
-        if history:
-            write_csv(history, cfg.OUTPUT_DIR)  # rows after the checkpoint's epoch (if any) go: they are redone
+    history = start_or_resume(t)
     started = time.perf_counter()
     progress = Progress(enabled=d.is_main, every=cfg.PROGRESS_EVERY)
     for epoch in range(len(history) + 1, cfg.EPOCHS + 1):
@@ -347,15 +331,37 @@ def train(cfg: SimpleNamespace, d: Dist) -> None:
         print(summary_line(history, time.perf_counter() - started, cfg.OUTPUT_DIR), flush=True)
 
 
+def start_or_resume(t: Training) -> list[dict[str, float]]:
+    """The epochs already done: none for a new run (an earlier run's files move aside), the
+    checkpoint's for a resumed one (the CSV is rewritten from them: rows written after the
+    checkpoint, if any, belong to an epoch that runs again)."""
+    cfg, d = t.cfg, t.d
+    checkpoint = shared_checkpoint(cfg, d)
+    history = restore(t, checkpoint) if checkpoint is not None else []
+    if d.is_main:
+        moved = move_aside_earlier_results(cfg.OUTPUT_DIR) if checkpoint is None else None
+        if moved:
+            print(f"moved the earlier run's results in {cfg.OUTPUT_DIR} to {moved}")
+        remove_stale_temporaries(cfg.OUTPUT_DIR)
+        print(describe(t))
+        if history:
+            write_csv(history, cfg.OUTPUT_DIR)
+    return history
+
+
 def fetch_dataset_per_machine(cfg: SimpleNamespace, d: Dist) -> None:
-    """Under torchrun: local rank 0 of each machine downloads, the others wait; a failure stops all."""
-    error = None
-    if cfg.DATASET == "cifar10" and d.local_rank == 0:
-        try:
-            download_cifar10(cfg.DATA_DIR)
-        except UserError as e:
-            error = str(e)
-    raise_if_any(error)
+    """Under torchrun: global rank 0 downloads first, then local rank 0 of every other machine (a
+    no-op where DATA_DIR is a shared file system); the others wait. A failure stops all ranks."""
+    if cfg.DATASET != "cifar10":
+        return
+    for my_turn in (d.is_main, d.local_rank == 0 and not d.is_main):
+        error = None
+        if my_turn:
+            try:
+                download_cifar10(cfg.DATA_DIR)
+            except UserError as e:
+                error = str(e)
+        raise_if_any(error)
 
 
 def build_training(cfg: SimpleNamespace, d: Dist) -> Training:
@@ -394,6 +400,9 @@ def shared_checkpoint(cfg: SimpleNamespace, d: Dist) -> Optional[dict[str, Any]]
 
 def restore(t: Training, checkpoint: dict[str, Any]) -> list[dict[str, float]]:
     """Load weights and optimizer state; returns the epochs already done (the CSV's rows)."""
+    if checkpoint["steps_per_epoch"] != t.steps_per_epoch:  # the same constants, but other data
+        raise UserError(f"RESUME=True but an epoch now has {t.steps_per_epoch} steps, the checkpoint's "
+                        f"{checkpoint['steps_per_epoch']}: the training set changed; resume on the same data")
     t.model.load_state_dict(checkpoint["model"])
     optimizer_state = checkpoint["optimizer"]
     for saved, current in zip(optimizer_state["param_groups"], t.optimizer.param_groups):
@@ -404,14 +413,20 @@ def restore(t: Training, checkpoint: dict[str, Any]) -> list[dict[str, float]]:
 
 
 def describe(t: Training) -> str:
+    """One line that says what this run is."""
     cfg, d = t.cfg, t.d
     parameters = sum(p.numel() for p in t.model.parameters())
-    precision = "bf16 autocast" if t.bf16 else "fp32"
-    return (f"ResNet(width={cfg.WIDTH}, {parameters:,} parameters{'' if cfg.RELU_AFTER_SUM else ', seed blocks'}) on {cfg.DATASET} ({len(t.train_data):,} train, "
-            f"{len(t.test_data):,} test images) | {d.world_size} rank(s) on {d.device.type} ({d.backend}) | "
-            f"global batch {cfg.BATCH_SIZE} ({cfg.BATCH_SIZE // d.world_size} per rank), {t.steps_per_epoch} steps "
-            f"per epoch, {cfg.EPOCHS} epochs | {cfg.OPTIMIZER} peak lr {peak_lr(cfg):.4g} | {precision}"
-            f"{' | compiled' if cfg.COMPILE else ''}")
+    blocks = "" if cfg.RELU_AFTER_SUM else ", seed blocks"
+    return " | ".join([
+        f"ResNet(width={cfg.WIDTH}, {parameters:,} parameters{blocks}) on {cfg.DATASET} "
+        f"({len(t.train_data):,} train, {len(t.test_data):,} test images)",
+        f"{d.world_size} rank(s) on {d.device.type} ({d.backend})",
+        f"global batch {cfg.BATCH_SIZE} ({cfg.BATCH_SIZE // d.world_size} per rank), {t.steps_per_epoch} steps per "
+        f"epoch, {cfg.EPOCHS} epochs",
+        f"{cfg.OPTIMIZER} peak lr {peak_lr(cfg):.4g}",
+        "bf16 autocast" if t.bf16 else "fp32",
+        *(["compiled"] if cfg.COMPILE else []),
+    ])
 
 
 def run_epoch(t: Training, epoch: int, progress: Progress) -> dict[str, float]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures in one go (about 3-5 minutes on one H200):
+# The GPU figures in one go (estimated 3-5 minutes on one H200; not yet timed):
 #   1. throughput, world size 1 with NCCL: the seed's pipeline against this project (and the compiled variant)
 #   2. the default recipe at full width on real CIFAR-10 images: accuracy per epoch and time to 94%
 # usage: bash benchmarks/gpu_check.sh [IMAGEFOLDER_DIR]
@@ -15,10 +15,11 @@ python3 benchmarks/throughput.py --world_size=1 --batch_size=512 --steps=60 --wa
 python3 benchmarks/throughput.py --world_size=1 --batch_size=512 --steps=60 --warmup=10 --compile
 
 echo "== 2. accuracy: default recipe, width 64"
-if [ -n "${1:-}" ]; then data="--dataset=imagefolder --data_dir=$1"; else data="--dataset=cifar10"; fi
+if [ -n "${1:-}" ]; then data=(--dataset=imagefolder "--data_dir=$1"); else data=(--dataset=cifar10); fi
 out=runs/gpu-accuracy
 rm -rf "$out"
-python3 train_distribute.py $data --width=64 --world_size=1 --output_dir=$out
+python3 train_distribute.py "${data[@]}" --width=64 --world_size=1 --output_dir="$out"
+[ -f "$out/pytorch_res.csv" ] || { echo "the accuracy run wrote no CSV"; exit 1; }
 python3 - "$out/pytorch_res.csv" <<'PY'
 import sys
 import pandas as pd

@@ -31,7 +31,9 @@ from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 import train_distribute as td  # noqa: E402
 from data import make_synthetic  # noqa: E402
-from distribute_tools import bf16_is_fast, cleanup, cpu_cores, device_and_backend, run_distribute, setup  # noqa: E402
+from distribute_tools import (  # noqa: E402
+    UserError, bf16_is_fast, cleanup, cpu_cores, device_and_backend, resolve_world_size, run_distribute, setup,
+)
 from resnet import ResNet  # noqa: E402
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, for the MFU line
@@ -116,7 +118,7 @@ def run_project(args: argparse.Namespace, world_size: int) -> tuple[float, float
             f"--batch_size={args.batch_size}", f"--world_size={world_size}", "--epochs=2", f"--output_dir={out}",
             f"--compile={args.compile}",
         ])
-        if run_distribute(td.main_worker, td.validate(cfg), cfg) != 0:
+        if run_distribute(td.main_worker, world_size, cfg) != 0:
             sys.exit("the project's training failed")
         epoch = pd.read_csv(os.path.join(out, "pytorch_res.csv")).iloc[-1]
         precision = "bf16" if cfg.AMP and bf16_is_fast(device_and_backend(0)[0]) else "fp32"
@@ -162,7 +164,10 @@ def compute_ceiling(args: argparse.Namespace) -> tuple[float, float]:
 def main() -> None:
     args = parse_args()
     os.environ.pop("MASTER_PORT", None)
-    world_size = args.world_size or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    try:
+        world_size = resolve_world_size(args.world_size)
+    except UserError as e:
+        sys.exit(f"error: {e}")
     device, backend = device_and_backend(0)
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU, {cpu_cores()} cores"
     print(f"machine: {name} | torch {torch.__version__} | {world_size} rank(s), {backend} | width {args.width}, "
@@ -173,13 +178,16 @@ def main() -> None:
     print(f"(b) this project      {ours_speed:10,.0f} images/s   peak memory {ours_memory:8,.0f} MiB per rank "
           f"({precision}{', compiled' if args.compile else ''})", flush=True)
     ceiling, flops = compute_ceiling(args)
-    print(f"(c) compute ceiling   {ceiling:10,.0f} images/s   (1 process, all cores, no DDP, no data)")
+    # One GPU per rank: the ceiling of N GPUs is N times one GPU's. CPU ranks share the cores the ceiling used.
+    ceiling *= world_size if device.type == "cuda" else 1
+    print(f"(c) compute ceiling   {ceiling:10,.0f} images/s   (1 process per GPU or all cores, no DDP, no data)")
     print(f"speed-up (b)/(a): {ours_speed / seed_speed:.2f}x | data + DDP overhead 1-(b)/(c): "
           f"{100 * (1 - ours_speed / ceiling):.1f}% | {flops / 1e9:.2f} GFLOP per training image")
     print(f"epoch of 50,000 images: seed {50_000 / seed_speed:.1f} s, project {50_000 / ours_speed:.2f} s")
     peak = next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), None)
     if peak:
-        print(f"model FLOPs utilisation (b): {100 * ours_speed * flops / (peak * 1e12):.1f}% of {peak:.0f} TFLOP/s")
+        mfu = ours_speed * flops / (world_size * peak * 1e12)
+        print(f"model FLOPs utilisation (b): {100 * mfu:.1f}% of {peak:.0f} TFLOP/s per GPU")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """End to end: the training script with real processes (2 gloo ranks on the CPU) on tiny synthetic data."""
+import contextlib
 import json
 import math
 import os
@@ -101,7 +102,7 @@ def test_two_ranks_step_like_one_rank_on_the_whole_batch(tmp_path, own_environme
     """Proves sharding and gradient averaging: B/2 images on each of 2 ranks == B images on 1 rank."""
     run_workers(workers.gradient_step_worker, 1, 64, str(tmp_path / "one.pt"))
     run_workers(workers.gradient_step_worker, 2, 64, str(tmp_path / "two.pt"))
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    one, two = (torch.load(tmp_path / name, weights_only=True) for name in ("one.pt", "two.pt"))
     torch.manual_seed(0)
     initial = workers.nn.Conv2d(3, 8, 3, padding=1).weight
     assert not torch.allclose(one["0.weight"], initial), "the steps changed nothing"
@@ -218,11 +219,31 @@ def test_a_killed_rank_ends_the_run_and_leaves_nothing_behind(tmp_path):
         _, err = process.communicate(timeout=90)
         assert time.monotonic() - started < 60
     finally:
-        os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode != 0
     assert "rank 1 was killed by SIGKILL" in err
     time.sleep(0.5)
     assert not [pid for pid in descendants if alive(pid)], "processes left behind"
+
+
+def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
+    """kill -9 of the launcher alone, started the way a shell starts a background job (SIGINT ignored)."""
+    process = subprocess.Popen([sys.executable, str(SCRIPT), *TINY, "--epochs=500", f"--output_dir={tmp_path}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(),
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        wait_for_rows(tmp_path, 1, process)
+        ranks = rank_processes(process.pid)
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(pid) for pid in ranks), "ranks kept running without their launcher"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_ctrl_c_stops_every_rank_within_seconds_and_keeps_the_files_whole(tmp_path):
@@ -236,7 +257,8 @@ def test_ctrl_c_stops_every_rank_within_seconds_and_keeps_the_files_whole(tmp_pa
         _, err = process.communicate(timeout=60)
         assert time.monotonic() - started < 20
     finally:
-        os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 130 and "interrupted" in err and "Traceback" not in err
     time.sleep(0.5)
     assert not [pid for pid in descendants if alive(pid)], "processes left behind"
