@@ -258,8 +258,9 @@ def train_epoch(t: Training, epoch: int, progress: Progress) -> tuple[list[float
 
 
 def share_batchnorm_statistics(model: nn.Module) -> None:
-    """Give every rank rank 0's BatchNorm running statistics. Each rank's forward updates its own
-    from its own batch, so after the last step they differ, and sharded evaluation would mix them."""
+    """Give every rank rank 0's BatchNorm running statistics. DDP broadcasts rank 0's at the start of
+    each training forward, but the forward then updates each rank's from its own batch: after the
+    last step they differ, and sharded evaluation would mix them."""
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
 
