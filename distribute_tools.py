@@ -286,10 +286,10 @@ def _spawn(worker: Callable[..., None], world_size: int, args: tuple) -> int:
 
 
 def _explain_exit(e: ProcessExitedException) -> int:
-    if e.exit_code in (EXIT_REPORTED, EXIT_PORT_TAKEN):
-        return 1 if e.exit_code == EXIT_REPORTED else EXIT_PORT_TAKEN
-    if e.exit_code == EXIT_INTERRUPTED:
-        return EXIT_INTERRUPTED
+    if e.exit_code == EXIT_REPORTED:  # the rank printed its one line already
+        return 1
+    if e.exit_code in (EXIT_PORT_TAKEN, EXIT_INTERRUPTED):
+        return e.exit_code
     if e.signal_name:
         hint = " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if e.signal_name == "SIGKILL" else ""
         _print_error(f"error: rank {e.error_index} was killed by {e.signal_name}{hint}; stopped the other ranks")

@@ -133,8 +133,7 @@ def compute_ceiling(args: argparse.Namespace) -> tuple[float, float]:
     device, _ = device_and_backend(0)
     torch.set_num_threads(cpu_cores())
     model = ResNet(args.width).to(device, memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True,
-                                **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    optimizer = td.make_optimizer(td.read_config([]), model, device)  # the project's optimizer and kernels
     x = torch.randn(args.batch_size, 3, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
     y = torch.randint(10, (args.batch_size,), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_is_fast(device))

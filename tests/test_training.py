@@ -209,22 +209,30 @@ def rank_processes(launcher: int) -> list[int]:
     return ranks
 
 
-def test_a_killed_rank_ends_the_run_and_leaves_nothing_behind(tmp_path):
-    process = start_long_run(tmp_path / "out")
+def stop_run(process: subprocess.Popen, folder: Path, rows: int, stop, limit: float) -> str:
+    """Once the run has written `rows` epochs, call stop(); the run must end within `limit` seconds and
+    leave no process behind. Returns what it printed on stderr."""
     try:
-        wait_for_rows(tmp_path / "out", 1, process)
+        wait_for_rows(folder, rows, process)
         descendants = children_of(process.pid)
-        os.kill(rank_processes(process.pid)[1], signal.SIGKILL)  # as the out-of-memory killer would
+        stop()
         started = time.monotonic()
-        _, err = process.communicate(timeout=90)
-        assert time.monotonic() - started < 60
+        _, err = process.communicate(timeout=limit + 30)
+        assert time.monotonic() - started < limit
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode != 0
-    assert "rank 1 was killed by SIGKILL" in err
     time.sleep(0.5)
     assert not [pid for pid in descendants if alive(pid)], "processes left behind"
+    return err
+
+
+def test_a_killed_rank_ends_the_run_and_leaves_nothing_behind(tmp_path):
+    process = start_long_run(tmp_path / "out")
+    kill_rank_1 = lambda: os.kill(rank_processes(process.pid)[1], signal.SIGKILL)  # noqa: E731 (as the OOM killer)
+    err = stop_run(process, tmp_path / "out", 1, kill_rank_1, limit=60)
+    assert process.returncode != 0
+    assert "rank 1 was killed by SIGKILL" in err
 
 
 def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
@@ -249,19 +257,9 @@ def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
 def test_ctrl_c_stops_every_rank_within_seconds_and_keeps_the_files_whole(tmp_path):
     folder = tmp_path / "out"
     process = start_long_run(folder)
-    try:
-        wait_for_rows(folder, 2, process)
-        descendants = children_of(process.pid)
-        os.killpg(process.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
-        started = time.monotonic()
-        _, err = process.communicate(timeout=60)
-        assert time.monotonic() - started < 20
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    press_ctrl_c = lambda: os.killpg(process.pid, signal.SIGINT)  # noqa: E731 (a terminal signals the whole group)
+    err = stop_run(process, folder, 2, press_ctrl_c, limit=20)
     assert process.returncode == 130 and "interrupted" in err and "Traceback" not in err
-    time.sleep(0.5)
-    assert not [pid for pid in descendants if alive(pid)], "processes left behind"
     rows = csv_rows(folder)
     checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
     assert rows >= 2 and checkpoint["epoch"] >= rows  # whole files; the CSV trails the checkpoint at most
