@@ -15,6 +15,7 @@ two paths; standard ResNets apply a ReLU to the sum. The ReLU adds no parameters
 and measurably helps (README, "The network"), so it is the default;
 `relu_after_sum=False` gives the seed's block exactly.
 """
+
 import torch
 from torch import nn
 from torch.nn import functional as F

@@ -1,34 +1,72 @@
 #!/usr/bin/env bash
-# The GPU figures in one go (estimated 3-5 minutes on one H200; not yet timed):
-#   1. throughput, world size 1 with NCCL: the seed's pipeline against this project (and the compiled variant)
-#   2. the default recipe at full width on real CIFAR-10 images: accuracy per epoch and time to 94%
-# usage: bash benchmarks/gpu_check.sh [IMAGEFOLDER_DIR]
-#   IMAGEFOLDER_DIR holds train/ and test/ (DATASET=imagefolder); without it, DATASET=cifar10 from ./data.
+# The GPU figures in one go, on one GPU (estimated 4 minutes on one H200; not yet timed):
+#   1. throughput, width 64, global batch 512: the seed's pipeline (literal and at its best) against this
+#      project and the compute ceiling; MFU against the dense bf16 peak
+#   2. GPU idle share over 20 profiled training steps, eager and compiled
+#   3. the default recipe at full width on real images, eager: accuracy per epoch, time to 94% from the
+#      wall clock (elapsed_seconds: start-up included), the write stall per epoch
+#   4. the same run compiled: compile time, and the epoch from which COMPILE is ahead on the wall clock
+# usage: bash benchmarks/gpu_check.sh [IMAGEFOLDER_DIR | ARCHIVE.tar.gz]
+#   IMAGEFOLDER_DIR holds train/ and test/; an archive of such a tree is unpacked into runs/gpu-data first.
+#   Without either, DATASET=cifar10 from ./data (downloaded if the machine is online).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else
+'error: CUDA is not usable here (torch ' + torch.__version__ + ', built for CUDA ' + str(torch.version.cuda) + '); run this on a GPU machine')" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-echo "== 1. throughput (global batch 512, width 64)"
-python3 benchmarks/throughput.py --world_size=1 --batch_size=512 --steps=60 --warmup=10
-python3 benchmarks/throughput.py --world_size=1 --batch_size=512 --steps=60 --warmup=10 --compile
+data=(--dataset=cifar10)
+if [ -n "${1:-}" ]; then
+  root=$1
+  if [ -f "$1" ]; then
+    root=runs/gpu-data
+    [ -d "$root/train" ] || { mkdir -p "$root" && tar -xzf "$1" -C "$root"; } || { echo "cannot unpack $1"; exit 1; }
+  fi
+  data=(--dataset=imagefolder "--data_dir=$root")
+fi
 
-echo "== 2. accuracy: default recipe, width 64"
-if [ -n "${1:-}" ]; then data=(--dataset=imagefolder "--data_dir=$1"); else data=(--dataset=cifar10); fi
-out=runs/gpu-accuracy
-rm -rf "$out"
-python3 train_distribute.py "${data[@]}" --width=64 --world_size=1 --output_dir="$out"
-[ -f "$out/pytorch_res.csv" ] || { echo "the accuracy run wrote no CSV"; exit 1; }
-python3 - "$out/pytorch_res.csv" <<'PY'
+echo "== 1. throughput (width 64, global batch 512, one GPU)"
+python3 -m benchmarks.throughput --world_size=1 --batch_size=512 --steps=60 --warmup=10
+python3 -m benchmarks.throughput --world_size=1 --batch_size=512 --steps=60 --warmup=10 --compile --skip_seed
+
+echo "== 2. GPU idle share over 20 profiled steps"
+python3 -m benchmarks.gpu_profile --width=64 --batch_size=512 --steps=20
+python3 -m benchmarks.gpu_profile --width=64 --batch_size=512 --steps=20 --compile
+
+for mode in eager compiled; do
+  echo "== 3/4. accuracy: default recipe, width 64, $mode"
+  out=runs/gpu-accuracy-$mode
+  rm -rf "$out"
+  python3 train_distribute.py "${data[@]}" --width=64 --world_size=1 --output_dir="$out" \
+    --compile="$([ $mode = compiled ] && echo True || echo False)"
+  [ -f "$out/pytorch_res.csv" ] || { echo "the $mode accuracy run wrote no CSV"; exit 1; }
+done
+
+python3 - runs/gpu-accuracy-eager/pytorch_res.csv runs/gpu-accuracy-compiled/pytorch_res.csv <<'PY'
 import sys
 import pandas as pd
-df = pd.read_csv(sys.argv[1])
-df["elapsed"] = df["epoch_seconds"].cumsum()
-hit = df[df["acc"] >= 0.94]
-print(df[["epoch", "loss", "acc", "epoch_seconds", "images_per_second", "elapsed"]].to_string(index=False))
-if len(hit):
-    print(f"94% first at epoch {int(hit.iloc[0]['epoch'])}, {hit.iloc[0]['elapsed']:.1f} s of training and evaluation")
-else:
-    print(f"94% not reached: best {df['acc'].max():.4f} at epoch {int(df.loc[df['acc'].idxmax(), 'epoch'])}")
+eager, compiled = (pd.read_csv(path) for path in sys.argv[1:3])
+print(eager[["epoch", "loss", "acc", "epoch_seconds", "elapsed_seconds", "images_per_second",
+             "write_wait_seconds"]].to_string(index=False))
+for name, df in (("eager", eager), ("compiled", compiled)):
+    hit = df[df["acc"] >= 0.94]
+    gaps = df["elapsed_seconds"].diff().iloc[1:] - df["epoch_seconds"].iloc[1:]
+    print(f"{name}: start-up {df['elapsed_seconds'].iloc[0] - df['epoch_seconds'].iloc[0]:.1f} s; "
+          f"write stall per epoch: median {gaps.median():.3f} s (time between epochs beyond the epoch itself), "
+          f"waits for the writer {df['write_wait_seconds'].sum():.2f} s in all")
+    if len(hit):
+        first = hit.iloc[0]
+        print(f"{name}: 94% first at epoch {int(first['epoch'])}, {first['elapsed_seconds']:.1f} s after launch")
+    else:
+        best = df.loc[df["acc"].idxmax()]
+        print(f"{name}: 94% not reached: best {best['acc']:.4f} at epoch {int(best['epoch'])} "
+              f"({best['elapsed_seconds']:.1f} s after launch)")
+print(f"compile time (first epoch, compiled minus eager): "
+      f"{compiled['epoch_seconds'].iloc[0] - eager['epoch_seconds'].iloc[0]:.1f} s; steady epoch "
+      f"{eager['epoch_seconds'].iloc[2:].median():.3f} s eager, {compiled['epoch_seconds'].iloc[2:].median():.3f} s compiled")
+ahead = compiled[compiled["elapsed_seconds"].values < eager["elapsed_seconds"].values]
+print("COMPILE is ahead on the wall clock from epoch " + (str(int(ahead.iloc[0]["epoch"])) if len(ahead)
+      else f"- (never within {len(eager)} epochs)"))
 PY

@@ -3,16 +3,18 @@
     python benchmarks/throughput.py                                  # CPU: 2 gloo ranks, width 64, batch 256
     python benchmarks/throughput.py --world_size=1 --batch_size=512 --steps=50 --warmup=10   # one GPU
 
-(a) seed:    the seed's pipeline re-implemented: DataLoader + DistributedSampler, per-image PIL -> ToTensor
-             -> Normalize, fp32, Adam, DDP. Timed over --steps steps after --warmup steps.
-(b) project: train_distribute.py itself on synthetic data, 2 epochs of --steps steps each; its figure is
-             the images_per_second that the CSV reports for epoch 2 (epoch 1 is the warm-up).
-(c) ceiling: one process, all cores, no DDP and no data loading: forward + backward + step of the same
-             network in the project's precision and layout on one fixed batch. (b)/(c) shows what data
-             handling and DDP cost.
-Same network, global batch and world size for (a) and (b). Prints images/s, the ratio, and peak memory
+(a) seed:      the seed's pipeline re-implemented: DataLoader + DistributedSampler, per-image PIL -> ToTensor
+               -> Normalize, fp32, Adam, DDP, no loader workers (as the seed runs it).
+(a') seed at its best: the same with loader workers, pinned memory and non-blocking copies: a fair baseline.
+(b) project:   train_distribute.py itself on synthetic data, 2 epochs of --steps steps each; its figure is
+               the images_per_second that the CSV reports for epoch 2 (epoch 1 is the warm-up).
+(c) ceiling:   one process, all cores (or one GPU per rank), no DDP and no data loading: forward + backward +
+               step of the same network in the project's precision, layout and cudnn setting on one fixed
+               batch (compiled with --compile). (b)/(c) is the share of the ceiling the project reaches.
+Same network, global batch and world size for (a), (a') and (b). Prints images/s, ratios, and peak memory
 (the largest rank's: GPU memory allocated, or resident memory on CPU).
 """
+
 import argparse
 import os
 import sys
@@ -20,21 +22,26 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import pandas as pd
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
-from torch.utils.data.distributed import DistributedSampler  # noqa: E402
-
-import train_distribute as td  # noqa: E402
-from data import make_synthetic  # noqa: E402
-from distribute_tools import (  # noqa: E402
-    UserError, bf16_is_fast, cleanup, cpu_cores, device_and_backend, resolve_world_size, run_distribute, setup,
+import train_distribute as td
+from data import make_synthetic
+from distribute_tools import (
+    UserError,
+    bf16_is_fast,
+    choose_device,
+    cleanup,
+    cpu_cores,
+    resolve_world_size,
+    run_distribute,
+    setup,
 )
-from resnet import ResNet  # noqa: E402
+from resnet import ResNet
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, for the MFU line
 
@@ -46,7 +53,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--world_size", type=int, default=0, help="0: every GPU, or 2 CPU processes")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (seed pipeline and ceiling)")
-    parser.add_argument("--compile", action="store_true", help="run (b) with COMPILE=True")
+    parser.add_argument("--compile", action="store_true", help="run (b) and (c) compiled")
+    parser.add_argument("--amp", default="True", help="False: (b) and (c) in fp32 even where bf16 is fast")
+    parser.add_argument("--skip_seed", action="store_true", help="only (b) and (c)")
     return parser.parse_args()
 
 
@@ -71,38 +80,45 @@ class PilImages(Dataset):
         return self.transform(Image.fromarray(self.pixels[i])), self.labels[i]
 
 
-def seed_pipeline_worker(rank: int, world_size: int, args: argparse.Namespace, result_path: str) -> None:
-    d = setup(rank, world_size)
+def seed_pipeline_worker(rank: int, world_size: int, args: argparse.Namespace, best: bool, result_path: str) -> None:
+    info = setup(rank, world_size)
     images = make_synthetic((args.warmup + args.steps) * args.batch_size, seed=0, split=0)
     dataset = PilImages(images.images.permute(0, 2, 3, 1).contiguous(), images.labels)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)
-    loader = DataLoader(dataset, batch_size=args.batch_size // world_size, sampler=sampler, num_workers=0,
-                        pin_memory=d.device.type == "cuda")
-    model = ResNet(args.width).to(d.device)
-    model = DistributedDataParallel(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    workers = max(1, cpu_cores() // info.local_world_size) if best else 0
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size // world_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=best and info.device.type == "cuda",
+        persistent_workers=workers > 0,
+    )
+    model = ResNet(args.width).to(info.device)
+    model = DistributedDataParallel(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
     loss_fn, optimizer = nn.CrossEntropyLoss(), torch.optim.Adam(model.parameters(), lr=1e-3)
-    started = None
+    started = time.perf_counter()
     for step, (x, y) in enumerate(loader):
-        if step == args.warmup:
-            td.synchronize(d.device)
-            started = time.perf_counter()
-        x, y = x.to(d.device), y.to(d.device)
+        x, y = x.to(info.device, non_blocking=best), y.to(info.device, non_blocking=best)
         loss = loss_fn(model(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    td.synchronize(d.device)
+        if step == args.warmup - 1:  # the timed window starts before the first timed batch is loaded
+            td.synchronize(info.device)
+            started = time.perf_counter()
+    td.synchronize(info.device)
     seconds = time.perf_counter() - started
-    memory = td.peak_memory_mb(d.device)
-    if d.is_main:
+    memory = td.peak_memory_mb(info.device)
+    if info.is_main:
         Path(result_path).write_text(f"{args.steps * args.batch_size / seconds} {memory}")
     cleanup(finished=True)
 
 
-def run_seed_pipeline(args: argparse.Namespace, world_size: int) -> tuple[float, float]:
+def run_seed_pipeline(args: argparse.Namespace, world_size: int, best: bool) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "seed.txt")
-        if run_distribute(seed_pipeline_worker, world_size, args, result) != 0:
+        if run_distribute(seed_pipeline_worker, world_size, args, best, result) != 0:
             sys.exit("the seed pipeline failed")
         speed, memory = Path(result).read_text().split()
     return float(speed), float(memory)
@@ -113,34 +129,45 @@ def run_seed_pipeline(args: argparse.Namespace, world_size: int) -> tuple[float,
 
 def run_project(args: argparse.Namespace, world_size: int) -> tuple[float, float, str]:
     with tempfile.TemporaryDirectory() as out:
-        cfg = td.read_config([
-            "--dataset=synthetic", f"--synthetic_size={args.steps * args.batch_size}", f"--width={args.width}",
-            f"--batch_size={args.batch_size}", f"--world_size={world_size}", "--epochs=2", f"--output_dir={out}",
-            f"--compile={args.compile}",
-        ])
-        if run_distribute(td.main_worker, world_size, cfg) != 0:
+        cfg = td.read_config(
+            [
+                "--dataset=synthetic",
+                f"--synthetic_size={args.steps * args.batch_size}",
+                f"--width={args.width}",
+                f"--batch_size={args.batch_size}",
+                f"--world_size={world_size}",
+                "--epochs=2",
+                f"--output_dir={out}",
+                f"--compile={args.compile}",
+                f"--amp={args.amp}",
+            ]
+        )
+        if run_distribute(td.main_worker, world_size, cfg, time.time()) != 0:
             sys.exit("the project's training failed")
         epoch = pd.read_csv(os.path.join(out, "pytorch_res.csv")).iloc[-1]
-        precision = "bf16" if cfg.AMP and bf16_is_fast(device_and_backend(0)[0]) else "fp32"
+        precision = "bf16" if cfg.AMP and bf16_is_fast(choose_device(0, 1)[0]) else "fp32"
         return float(epoch["images_per_second"]), float(epoch["peak_memory_mb"]), precision
 
 
 # ----------------------------------------------------------------------------- (c) the compute ceiling
 
 
-def compute_ceiling(args: argparse.Namespace) -> tuple[float, float]:
+def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format) -> tuple[float, float]:
     """Images/s of forward + backward + step alone in one process; and FLOPs per training image."""
-    device, _ = device_and_backend(0)
+    device, _ = choose_device(0, 1)
     torch.set_num_threads(cpu_cores())
-    model = ResNet(args.width).to(device, memory_format=torch.channels_last)
+    torch.backends.cudnn.benchmark = True  # as the project sets it
+    model = ResNet(args.width).to(device, memory_format=memory_format)
     optimizer = td.make_optimizer(td.read_config([]), model, device)  # the project's optimizer and kernels
-    x = torch.randn(args.batch_size, 3, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
+    step_model = torch.compile(model) if args.compile else model
+    x = torch.randn(args.batch_size, 3, 32, 32, device=device).contiguous(memory_format=memory_format)
     y = torch.randint(10, (args.batch_size,), device=device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_is_fast(device))
+    amp = args.amp.lower() in ("true", "1") and bf16_is_fast(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
 
     def step() -> None:
         with autocast:
-            loss = nn.functional.cross_entropy(model(x), y)
+            loss = nn.functional.cross_entropy(step_model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -148,9 +175,11 @@ def compute_ceiling(args: argparse.Namespace) -> tuple[float, float]:
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
-        step()
+        with autocast:
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
     flops_per_image = counter.get_total_flops() / args.batch_size
-    for _ in range(args.warmup):
+    for _ in range(max(args.warmup, 3 if args.compile else 1)):
         step()
     td.synchronize(device)
     started = time.perf_counter()
@@ -160,33 +189,67 @@ def compute_ceiling(args: argparse.Namespace) -> tuple[float, float]:
     return args.steps * args.batch_size / (time.perf_counter() - started), flops_per_image
 
 
+def cpu_kind() -> str:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "CPU"
+    native = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags]
+    return f"CPU with {'+'.join(native)}" if native else "CPU without native bf16 (AVX2 or older)"
+
+
 def main() -> None:
     args = parse_args()
-    os.environ.pop("MASTER_PORT", None)
     try:
         world_size = resolve_world_size(args.world_size)
     except UserError as e:
         sys.exit(f"error: {e}")
-    device, backend = device_and_backend(0)
-    name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU, {cpu_cores()} cores"
-    print(f"machine: {name} | torch {torch.__version__} | {world_size} rank(s), {backend} | width {args.width}, "
-          f"global batch {args.batch_size}, {args.steps} timed steps", flush=True)
-    seed_speed, seed_memory = run_seed_pipeline(args, world_size)
-    print(f"(a) seed pipeline     {seed_speed:10,.0f} images/s   peak memory {seed_memory:8,.0f} MiB per rank", flush=True)
+    device, backend = choose_device(0, 1)
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"{cpu_kind()}, {cpu_cores()} cores"
+    print(
+        f"machine: {name} | torch {torch.__version__} | {world_size} rank(s), {backend} | width {args.width}, "
+        f"global batch {args.batch_size}, {args.steps} timed steps",
+        flush=True,
+    )
+    if not args.skip_seed:
+        seed_speed, seed_memory = run_seed_pipeline(args, world_size, best=False)
+        print(
+            f"(a)  seed pipeline           {seed_speed:10,.0f} images/s   peak memory {seed_memory:8,.0f} MiB",
+            flush=True,
+        )
+        best_speed, best_memory = run_seed_pipeline(args, world_size, best=True)
+        print(
+            f"(a') seed at its best        {best_speed:10,.0f} images/s   peak memory {best_memory:8,.0f} MiB",
+            flush=True,
+        )
     ours_speed, ours_memory, precision = run_project(args, world_size)
-    print(f"(b) this project      {ours_speed:10,.0f} images/s   peak memory {ours_memory:8,.0f} MiB per rank "
-          f"({precision}{', compiled' if args.compile else ''})", flush=True)
-    ceiling, flops = compute_ceiling(args)
+    print(
+        f"(b)  this project            {ours_speed:10,.0f} images/s   peak memory {ours_memory:8,.0f} MiB "
+        f"({precision}{', compiled' if args.compile else ''})",
+        flush=True,
+    )
+    layout = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+    other = torch.contiguous_format if device.type == "cuda" else torch.channels_last
+    ceiling, flops = compute_ceiling(args, layout)
     # One GPU per rank: the ceiling of N GPUs is N times one GPU's. CPU ranks share the cores the ceiling used.
-    ceiling *= world_size if device.type == "cuda" else 1
-    print(f"(c) compute ceiling   {ceiling:10,.0f} images/s   (1 process per GPU or all cores, no DDP, no data)")
-    print(f"speed-up (b)/(a): {ours_speed / seed_speed:.2f}x | data + DDP overhead 1-(b)/(c): "
-          f"{100 * (1 - ours_speed / ceiling):.1f}% | {flops / 1e9:.2f} GFLOP per training image")
-    print(f"epoch of 50,000 images: seed {50_000 / seed_speed:.1f} s, project {50_000 / ours_speed:.2f} s")
+    scale = world_size if device.type == "cuda" else 1
+    ceiling *= scale
+    other_ceiling = compute_ceiling(args, other)[0] * scale
+    print(
+        f"(c)  compute ceiling         {ceiling:10,.0f} images/s   (the project's layout, {precision}; "
+        f"{'channels_last' if other == torch.channels_last else 'contiguous'} layout: {other_ceiling:,.0f})"
+    )
+    print(f"share of the ceiling (b)/(c): {ours_speed / ceiling:.2f} | {flops / 1e9:.2f} GFLOP per training image")
+    if not args.skip_seed:
+        print(f"speed-up (b)/(a): {ours_speed / seed_speed:.2f}x | (b)/(a'): {ours_speed / best_speed:.2f}x")
+        print(
+            f"epoch of 50,000 images: seed {50_000 / seed_speed:.1f} s, seed at its best "
+            f"{50_000 / best_speed:.1f} s, project {50_000 / ours_speed:.2f} s"
+        )
     peak = next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), None)
     if peak:
         mfu = ours_speed * flops / (world_size * peak * 1e12)
-        print(f"model FLOPs utilisation (b): {100 * mfu:.1f}% of {peak:.0f} TFLOP/s per GPU")
+        print(f"model FLOPs utilisation (b): {100 * mfu:.1f}% of {peak:.0f} TFLOP/s per GPU (dense bf16)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Shared helpers: real processes on the CPU (gloo), tiny generated data, a few runs that several tests read."""
+
 import os
 import socket
 import subprocess
@@ -14,21 +15,32 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the suite exercises the CPU/gloo path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_distribute.py"
 # A small, fast run: tiny network, synthetic images, several steps per epoch.
-TINY = ["--dataset=synthetic", "--synthetic_size=2000", "--width=8", "--batch_size=256", "--world_size=2"]
+TINY = ["--dataset=synthetic", "--synthetic_size=2000", "--width=8", "--batch_size=128", "--world_size=2"]
 HANG_TIMEOUT = 240  # seconds; a run that takes longer than this is hanging, not slow
 
 
 def clean_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    }
     env.update(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", **extra)
     return env
 
 
-def run_script(*args: str, timeout: float = HANG_TIMEOUT, env: dict | None = None, cwd: Path | None = None
-               ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env or clean_env(), cwd=cwd or ROOT, stdin=subprocess.DEVNULL)
+def run_script(
+    *args: str, timeout: float = HANG_TIMEOUT, env: dict | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or clean_env(),
+        cwd=cwd or ROOT,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def torchrun_command(*args: str) -> list[str]:
@@ -80,9 +92,10 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="session")
-def reference_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """One uninterrupted 2-rank run of 5 epochs that several tests inspect."""
+def reference_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
+    """One uninterrupted 2-rank run of 5 epochs that several tests inspect, and its wall-clock seconds."""
     out = tmp_path_factory.mktemp("reference") / "out"
+    started = time.monotonic()
     result = run_script(*TINY, "--epochs=5", f"--output_dir={out}")
     assert result.returncode == 0, result.stdout + result.stderr
-    return out, result
+    return out, result, time.monotonic() - started

@@ -1,9 +1,18 @@
-"""Bad settings through the real command line: one line that names the problem and the fix, a non-zero
-exit, no traceback, and no process started (nothing written)."""
+"""Bad settings and bad data through the launcher: one line that names the problem and the fix, a non-zero
+exit, no traceback, and no process started (nothing written). A few go through a new process each, the
+rest through main() in this process (the same code, without seconds of interpreter start-up each)."""
+
+import contextlib
+import io
+import os
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
+from PIL import Image
 
+import train_distribute as td
 from tests.conftest import clean_env, free_port, run_script
 
 SMALL = ["--dataset=synthetic", "--synthetic_size=1000", "--width=8", "--world_size=2", "--batch_size=256"]
@@ -22,27 +31,108 @@ CASES = {
     "world_negative": (SMALL[:-2] + ["--world_size=-1"], "WORLD_SIZE=-1 is negative"),
     "data_dir_missing": (["--dataset=imagefolder", "--data_dir={tmp}/nope"], "does not exist"),
     "data_dir_empty": (["--dataset=imagefolder", "--data_dir={tmp}/empty"], "has no train/ folder"),
-    "data_dir_no_images": (["--dataset=imagefolder", "--data_dir={tmp}/classes"], "holds no images"),
+    "data_dir_no_classes": (["--dataset=imagefolder", "--data_dir={tmp}/noclasses"], "holds no class folders"),
+    "empty_class": (
+        ["--dataset=imagefolder", "--data_dir={tmp}/emptyclass"],
+        "{tmp}/emptyclass/train/zebra holds no images",
+    ),
+    "truncated_jpeg": (
+        ["--dataset=imagefolder", "--data_dir={tmp}/truncated"],
+        "{tmp}/truncated/train/cat/cut.jpg (image file is truncated",
+    ),
+    "text_as_jpeg": (
+        ["--dataset=imagefolder", "--data_dir={tmp}/text"],
+        "{tmp}/text/test/dog/notes.jpg (cannot identify image file",
+    ),
+    "class_mismatch": (
+        ["--dataset=imagefolder", "--data_dir={tmp}/mismatch"],
+        "only in train/: bird; only in test/: frog",
+    ),
+    "output_dir_is_file": (
+        SMALL + ["--output_dir={tmp}/a_file"],
+        "OUTPUT_DIR {tmp}/a_file cannot be a folder: {tmp}/a_file is a file",
+    ),
+    "output_dir_under_file": (SMALL + ["--output_dir={tmp}/a_file/out"], "is a file; choose another --output_dir"),
     "resume_nothing": (SMALL + ["--resume=True"], "RESUME=True but there is no"),
+    "resume_moved_aside": (
+        SMALL + ["--resume=True", "--output_dir={tmp}/moved"],
+        "a later run moved the last one to {tmp}/moved/previous-20260101-000000",
+    ),
     "cifar10_offline": (["--dataset=cifar10", "--data_dir={tmp}/cifar"], "copy cifar-10-python.tar.gz into"),
+    "cifar10_corrupt": (
+        ["--dataset=cifar10", "--data_dir={tmp}/corrupt"],
+        "{tmp}/corrupt/cifar-10-python.tar.gz is corrupt",
+    ),
 }
+
+
+def picture(path: Path, colour: int, size: int = 32) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (size, size), (colour, 255 - colour, 128)).save(path, quality=90)
+
+
+def image_folder(root: Path, classes: dict) -> None:
+    """classes: {"train/cat": 2, ...} -> that many small JPEGs in each folder."""
+    for folder, count in classes.items():
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            picture(root / folder / f"{i}.jpg", 40 * i)
+
+
+def make_bad_inputs(tmp: Path) -> None:
+    (tmp / "empty").mkdir()
+    for split in ("train", "test"):
+        (tmp / "noclasses" / split).mkdir(parents=True)
+    image_folder(tmp / "emptyclass", {"train/cat": 2, "train/zebra": 0, "test/cat": 2, "test/zebra": 1})
+    image_folder(tmp / "truncated", {"train/cat": 2, "test/cat": 2})
+    photo = tmp / "truncated" / "train" / "cat" / "cut.jpg"
+    Image.effect_noise((64, 64), 60).convert("RGB").save(photo, quality=95)
+    photo.write_bytes(photo.read_bytes()[: int(0.8 * photo.stat().st_size)])  # a download cut short
+    image_folder(tmp / "text", {"train/dog": 2, "test/dog": 1})
+    (tmp / "text" / "test" / "dog" / "notes.jpg").write_text("not a picture")
+    image_folder(tmp / "mismatch", {"train/cat": 1, "train/bird": 1, "test/cat": 1, "test/frog": 1})
+    (tmp / "mismatch" / "test" / ".ipynb_checkpoints").mkdir()  # hidden folders are not classes
+    (tmp / "a_file").write_text("not a folder")
+    (tmp / "moved" / "previous-20260101-000000").mkdir(parents=True)
+    (tmp / "moved" / "previous-20260101-000000" / "checkpoint.pt").write_bytes(b"a checkpoint")
+    (tmp / "corrupt").mkdir()
+    (tmp / "corrupt" / "cifar-10-python.tar.gz").write_bytes(b"half a download")
+
+
+THROUGH_A_NEW_PROCESS = ("unknown_setting", "truncated_jpeg", "output_dir_is_file")  # the rest: main() in-process
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")
-    (tmp / "empty").mkdir()
-    for split in ("train", "test"):
-        (tmp / "classes" / split / "cat").mkdir(parents=True)
-    env = clean_env(**{name: DEAD_PROXY for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")})
-    env.pop("no_proxy", None), env.pop("NO_PROXY", None)
+    make_bad_inputs(tmp)
+    offline = {name: DEAD_PROXY for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
 
-    def attempt(name):
+    def arguments(name):
         args = [a.replace("{tmp}", str(tmp)) for a in CASES[name][0]]
-        return name, run_script(*args, f"--output_dir={tmp / name / 'out'}", timeout=120, env=env), tmp
+        if not any(a.startswith("--output_dir") for a in args):
+            args.append(f"--output_dir={tmp / name / 'out'}")
+        return args
+
+    def in_new_process(name):
+        env = {k: v for k, v in clean_env(**offline).items() if k.lower() != "no_proxy"}
+        return name, run_script(*arguments(name), timeout=120, env=env)
 
     with ThreadPoolExecutor(2) as pool:
-        return dict((name, (result, tmp)) for name, result, tmp in pool.map(attempt, CASES))
+        results = dict(pool.map(in_new_process, THROUGH_A_NEW_PROCESS))
+    saved = dict(os.environ)
+    os.environ.update(offline)
+    try:
+        for name in CASES:
+            if name not in results:
+                out, err = io.StringIO(), io.StringIO()
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    code = td.main(arguments(name))
+                results[name] = subprocess.CompletedProcess([], code, out.getvalue(), err.getvalue())
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return {name: (result, tmp) for name, result in results.items()}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -52,6 +142,6 @@ def test_one_line_error(outcomes, name):
     assert "Traceback" not in result.stderr + result.stdout
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert CASES[name][1] in lines[0]
+    assert CASES[name][1].replace("{tmp}", str(tmp)) in lines[0]
     assert result.stdout == ""
     assert not (tmp / name / "out").exists(), "something was written: the run got past the checks"

@@ -1,67 +1,181 @@
-"""Settings: --name=value overrides, validation, and the learning-rate schedule (in-process, no workers)."""
+"""Settings: the block at the top of train_distribute.py, the command line built from it, the checks, the
+resume rule, and the learning-rate schedule (in-process, no workers)."""
+
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
 import pytest
 
+import config
 import train_distribute as td
 from distribute_tools import UserError
+from tests.conftest import ROOT, clean_env
+
+SETTINGS = config.read_settings(td.__file__)
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def test_the_block_is_read_with_types_defaults_comments_and_choices():
+    assert list(BY_NAME)[:4] == ["DATASET", "DATA_DIR", "SYNTHETIC_SIZE", "OUTPUT_DIR"]  # in the file's order
+    for s in SETTINGS:  # the value in the file is the constant the module defines
+        assert getattr(td, s.name) == s.default and s.help, s.name
+    assert BY_NAME["EPOCHS"].kind is int and BY_NAME["LR"].kind is float and BY_NAME["RESUME"].kind is bool
+    assert BY_NAME["DATASET"].choices == ("cifar10", "imagefolder", "synthetic")
+    assert BY_NAME["OPTIMIZER"].choices == ("sgd", "adam") and BY_NAME["SCHEDULE"].choices == ("onecycle", "constant")
+    assert BY_NAME["EPOCHS"].help == "passes over the training set"
+    assert BY_NAME["WIDTH"].group[0] == "model" and BY_NAME["EPOCHS"].group[0] == "recipe"
+    assert set(config.LIMITS) <= set(BY_NAME) and set(config.FREE_ON_RESUME) <= set(BY_NAME)
+
+
+def test_help_lists_every_setting_with_its_default_comment_and_choices():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train_distribute.py"), "--help"], capture_output=True, text=True, env=clean_env()
+    )
+    assert result.returncode == 0 and result.stderr == ""
+    text = " ".join(result.stdout.split())  # argparse wraps lines
+    for s in SETTINGS:
+        assert f"{s.option} " in text, s.name
+        assert " ".join(s.help.split()[:4]) in text, s.name
+    assert "--epochs N passes over the training set (default: 30)" in text
+    assert "--dataset {cifar10,imagefolder,synthetic}" in text and "--optimizer {sgd,adam}" in text
+    assert "--schedule {onecycle,constant}" in text
+
+
+def test_short_help_is_the_same(capsys):
+    with pytest.raises(SystemExit) as exit_code:
+        td.read_config(["-h"])
+    assert exit_code.value.code == 0 and "--epochs N" in capsys.readouterr().out
+
+
+def test_name_value_and_name_equals_value_both_work():
+    cfg = td.read_config(
+        ["--epochs", "3", "--lr=1", "--dataset", "synthetic", "--data_dir=/x", "--label_smoothing", "0"]
+    )
+    assert (cfg.EPOCHS, cfg.LR, cfg.DATASET, cfg.DATA_DIR, cfg.LABEL_SMOOTHING) == (3, 1.0, "synthetic", "/x", 0.0)
+    assert isinstance(cfg.LR, float) and isinstance(cfg.EPOCHS, int)
+    assert td.read_config(["--world_size", "-1"]).WORLD_SIZE == -1  # a negative number is a value, not an option
+
+
+@pytest.mark.parametrize(
+    "spelling,value", [("True", True), ("true", True), ("1", True), ("False", False), ("false", False), ("0", False)]
+)
+def test_boolean_spellings(spelling, value):
+    assert td.read_config([f"--resume={spelling}"]).RESUME is value
+    assert td.read_config(["--amp", spelling]).AMP is value
+
+
+def test_a_bare_boolean_flag_means_true():
+    assert td.read_config(["--compile"]).COMPILE is True and td.read_config([]).COMPILE is False
 
 
 def test_defaults_are_the_constants_at_the_top():
     cfg = td.read_config([])
-    assert cfg.EPOCHS == td.EPOCHS and cfg.DATA_DIR == "./data" and cfg.RESUME is False
-    for name in ("DATASET", "DATA_DIR", "OUTPUT_DIR", "EPOCHS", "BATCH_SIZE", "LR", "WORLD_SIZE", "WIDTH", "SEED",
-                 "RESUME", "COMPILE", "AMP", "TTA", "LABEL_SMOOTHING", "OPTIMIZER"):
-        assert name in td.CONSTANTS
+    assert vars(cfg) == {s.name: s.default for s in SETTINGS}
 
 
-def test_overrides_are_typed():
-    cfg = td.read_config(["--epochs=3", "--lr=1", "--resume=true", "--amp=False", "--dataset=synthetic",
-                          "--label_smoothing=0"])
-    assert (cfg.EPOCHS, cfg.LR, cfg.RESUME, cfg.AMP, cfg.DATASET) == (3, 1.0, True, False, "synthetic")
-    assert isinstance(cfg.LR, float) and isinstance(cfg.EPOCHS, int) and cfg.LABEL_SMOOTHING == 0.0
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--no_such_setting=1"], "unknown setting --no_such_setting"),
-    (["--epochs=2.5"], "--epochs=2.5 is not an integer"),
-    (["--lr=abc"], "--lr=abc is not a number"),
-    (["--resume=yes please"], "is not True or False"),
-    (["--epochs"], "--name=value"),
-    (["epochs=3"], "--name=value"),
-])
-def test_bad_overrides(argv, message):
-    with pytest.raises(UserError, match=message):
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--no_such_setting=1"], "unknown setting --no_such_setting"),
+        (["--epoch=5"], "unknown setting --epoch; did you mean --epochs?"),  # no abbreviations
+        (["--epochs=2.5"], "--epochs=2.5 is not an integer"),
+        (["--lr=abc"], "--lr=abc is not a number"),
+        (["--lr=nan"], "--lr=nan is not a number"),
+        (["--resume=yes please"], "is not True or False"),
+        (["--epochs"], "argument --epochs: expected one argument"),
+        (["epochs=3"], "cannot read argument 'epochs=3'"),
+        (["--dataset=imagenet21k"], "DATASET='imagenet21k' is unknown; use one of cifar10, imagefolder, synthetic"),
+        (["--optimizer", "lion"], "OPTIMIZER='lion' is unknown"),
+    ],
+)
+def test_bad_arguments_are_one_line_naming_the_fix(argv, message):
+    with pytest.raises(UserError, match=message) as error:
         td.read_config(argv)
+    assert "\n" not in str(error.value)
+
+
+def script_copy(tmp_path, old: str, new: str):
+    """A copy of the project with one line of the settings block edited."""
+    for name in ("train_distribute.py", "config.py", "data.py", "distribute_tools.py", "outputs.py", "resnet.py"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    script = tmp_path / "train_distribute.py"
+    text = script.read_text()
+    assert old in text
+    script.write_text(text.replace(old, new, 1))
+    return script
+
+
+@pytest.mark.parametrize(
+    "old,new,message",
+    [
+        ("EPOCHS: int = 30", "EPOCHS = 30", "EPOCHS at line"),
+        ("LR: float = 0.4", 'LR: float = "fast"', "is not a number"),
+        ('OPTIMIZER: Literal["sgd", "adam"] = "sgd"', 'OPTIMIZER: Literal["sgd", "adam"] = "lion"', "is unknown"),
+    ],
+)
+def test_a_wrong_value_in_the_file_is_named(tmp_path, old, new, message):
+    with pytest.raises(UserError, match=message):
+        config.read_settings(str(script_copy(tmp_path, old, new)))
+
+
+def test_a_wrong_type_in_the_file_is_one_line_before_anything_starts(tmp_path):
+    script = script_copy(tmp_path, "EPOCHS: int = 30", "EPOCHS: int = 2.0")
+    result = subprocess.run(
+        [sys.executable, str(script), "--epochs=1"], capture_output=True, text=True, env=clean_env(), cwd=tmp_path
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "error: EPOCHS = 2.0 at the top of train_distribute.py is not an integer; write e.g. EPOCHS: int = 1"
+    ]
 
 
 SYNTHETIC = ["--dataset=synthetic", "--synthetic_size=1000", "--world_size=2", "--batch_size=256"]
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--epochs=0"], "EPOCHS=0 must be positive"),
-    (["--batch_size=-4"], "BATCH_SIZE=-4 must be positive"),
-    (["--batch_size=255"], "does not split evenly over 2 ranks"),
-    (["--batch_size=2000"], "fewer than one global batch"),
-    (["--lr=0"], "LR=0.0 must be a positive number"),
-    (["--lr=nan"], "must be a positive number"),
-    (["--width=0"], "WIDTH=0 must be positive"),
-    (["--world_size=-1"], "WORLD_SIZE=-1 is negative"),
-    (["--dataset=imagenet21k"], "DATASET='imagenet21k' is unknown"),
-    (["--optimizer=lion"], "OPTIMIZER='lion' is unknown"),
-    (["--warmup=1.5"], "WARMUP=1.5 is outside"),
-])
-def test_validation(extra, message):
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--epochs=0"], "EPOCHS=0 must be positive"),
+        (["--batch_size=-4"], "BATCH_SIZE=-4 must be positive"),
+        (["--batch_size=255"], "does not split evenly over 2 ranks"),
+        (["--accumulate=3"], "does not split evenly over 2 ranks x 3 micro-batches"),
+        (["--batch_size=2000"], "fewer than one global batch"),
+        (["--lr=0"], "LR=0.0 must be a positive number"),
+        (["--width=0"], "WIDTH=0 must be positive"),
+        (["--world_size=-1"], "WORLD_SIZE=-1 is negative"),
+        (["--warmup=1.5"], "WARMUP=1.5 is outside 0..1"),
+    ],
+)
+def test_validation(extra, message, tmp_path):
     with pytest.raises(UserError, match=message):
-        td.validate(td.read_config(SYNTHETIC + extra))
+        td.check_before_start(td.read_config([*SYNTHETIC, *extra, f"--output_dir={tmp_path}/out"]))
 
 
-def test_valid_settings_give_the_world_size():
-    assert td.validate(td.read_config(SYNTHETIC)) == 2
-    assert td.validate(td.read_config(SYNTHETIC + ["--world_size=0"])) == 2  # auto, on a machine without GPUs
+def test_valid_settings_give_the_world_size(tmp_path):
+    assert td.check_before_start(td.read_config([*SYNTHETIC, f"--output_dir={tmp_path}"])) == 2
+    auto = td.read_config([*SYNTHETIC, "--world_size=0", f"--output_dir={tmp_path}"])
+    assert td.check_before_start(auto) == 2  # on a machine without GPUs
 
 
 def test_resume_without_checkpoint_is_refused(tmp_path):
     with pytest.raises(UserError, match="RESUME=True but there is no"):
-        td.validate(td.read_config(SYNTHETIC + ["--resume=True", f"--output_dir={tmp_path}"]))
+        td.check_before_start(td.read_config([*SYNTHETIC, "--resume=True", f"--output_dir={tmp_path}"]))
+
+
+def test_resume_compares_every_setting_but_the_free_ones():
+    cfg = td.read_config([])
+    saved = dict(vars(cfg))
+    for name in config.FREE_ON_RESUME:  # where files are, how it is launched, how it is evaluated
+        config.check_resume({**saved, name: "something else"}, cfg)
+    for s in SETTINGS:
+        if s.name not in config.FREE_ON_RESUME:
+            with pytest.raises(UserError, match=f"{s.name}=.* differs from the checkpoint's"):
+                config.check_resume({**saved, s.name: "something else"}, cfg)
+    # a setting added later is compared too, unless it is named in FREE_ON_RESUME
+    with pytest.raises(UserError, match="NEW_KNOB=1 differs"):
+        config.check_resume(saved, SimpleNamespace(**vars(cfg), NEW_KNOB=1))
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -72,8 +186,8 @@ def test_onecycle_warms_up_peaks_and_ends_near_zero():
     lrs = [td.lr_at(step, total, peak, "onecycle", warmup=0.2) for step in range(total)]
     assert lrs[0] == pytest.approx(peak / 20)  # warm-up starts near 0 ...
     assert max(lrs) == pytest.approx(peak) and lrs.index(max(lrs)) in (19, 20)  # ... peaks after 20% of steps
-    assert all(a < b for a, b in zip(lrs[:19], lrs[1:20]))  # rises linearly
-    assert all(a > b for a, b in zip(lrs[20:], lrs[21:]))  # then falls linearly
+    assert all(a < b for a, b in zip(lrs[:19], lrs[1:20], strict=True))  # rises linearly
+    assert all(a > b for a, b in zip(lrs[20:], lrs[21:], strict=False))  # then falls linearly
     assert lrs[-1] == pytest.approx(peak / 80)  # to (almost) 0 at the last step
 
 

@@ -1,16 +1,16 @@
 import pickle
+import shutil
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-import torchvision
 from PIL import Image
 from torchvision.datasets import CIFAR10
 
 import data
 from data import DeviceLoader, ImageSet, crop_and_flip, shard_indices
 from distribute_tools import UserError
-
 
 # ----------------------------------------------------------------------------- shards
 
@@ -41,8 +41,8 @@ def test_all_ranks_draw_the_same_permutation():
         local = global_batch // ws
         shards = [shard_indices(n, ws, r, seed=5, epoch=4) for r in range(ws)]
         for step in range(n // global_batch):
-            together = torch.cat([s[step * local:(step + 1) * local] for s in shards])
-            assert set(together.tolist()) == set(single[step * global_batch:(step + 1) * global_batch].tolist())
+            together = torch.cat([s[step * local : (step + 1) * local] for s in shards])
+            assert set(together.tolist()) == set(single[step * global_batch : (step + 1) * global_batch].tolist())
 
 
 # ----------------------------------------------------------------------------- augmentation
@@ -79,13 +79,15 @@ def test_augmentation_differs_per_rank_and_repeats_per_seed():
     assert not torch.equal(batch(1, 1), batch(1, 2))
 
 
-def test_batches_are_normalised_channels_last_float():
-    loader = DeviceLoader(data.make_synthetic(600, seed=0, split=0), torch.device("cpu"), augment=True)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_batches_are_normalised_float_in_the_models_memory_format(memory_format):
+    images = data.make_synthetic(600, seed=0, split=0)
+    loader = DeviceLoader(images, torch.device("cpu"), augment=True, memory_format=memory_format)
     batches = list(loader.train_batches(256, 2, 1, seed=0, epoch=1))
     assert len(batches) == loader.steps_per_epoch(256) == 2  # the last partial batch is dropped
     x, y = batches[0]
     assert x.shape == (128, 3, 32, 32) and x.dtype == torch.float32 and y.shape == (128,)
-    assert x.is_contiguous(memory_format=torch.channels_last)
+    assert x.is_contiguous(memory_format=memory_format)
     assert -0.5 < x.mean().item() < 0.5 and 0.5 < x.std().item() < 1.5
 
 
@@ -114,7 +116,7 @@ def test_image_folder_reader(tmp_path):
     (tmp_path / "test" / "dog").mkdir(parents=True)
     Image.fromarray(big.numpy()).save(tmp_path / "test" / "dog" / "d.jpg", quality=95)
     write_png(tmp_path / "test" / "cat" / "e.png", pictures[3])
-    assert data.count_training_images("imagefolder", str(tmp_path), 0) == 3
+    assert data.prepare("imagefolder", str(tmp_path), 0) == 3
     train, test = data.load_dataset("imagefolder", str(tmp_path), 0, seed=0)
     assert train.classes == ["cat", "dog"] == test.classes
     assert train.labels.tolist() == [0, 0, 1]  # cat/b, cat/c, dog/a
@@ -123,15 +125,63 @@ def test_image_folder_reader(tmp_path):
     assert (test.images[1].int() - 200).abs().max() <= 3  # the 48x40 JPEG, resized to 32x32
 
 
-@pytest.mark.parametrize("layout,message", [(None, "does not exist"), ([], "no train/"), (["train", "test"], "no images")])
+@pytest.mark.parametrize(
+    "layout,message",
+    [(None, "does not exist"), ([], "no train/"), (["train", "test"], "zebra holds no images")],
+)
 def test_image_folder_checks(tmp_path, layout, message):
     root = tmp_path / "images"
     if layout is not None:
         root.mkdir()
         for split in layout:
-            (root / split / "cat").mkdir(parents=True)
+            (root / split / "zebra").mkdir(parents=True)
     with pytest.raises(UserError, match=message):
-        data.count_training_images("imagefolder", str(root), 0)
+        data.prepare("imagefolder", str(root), 0)
+
+
+def small_folder(root, images: int = 3):
+    pictures = torch.randint(0, 256, (images, 32, 32, 3), dtype=torch.uint8)
+    for i in range(images):
+        write_png(root / "train" / ("cat" if i % 2 else "dog") / f"{i}.png", pictures[i])
+        write_png(root / "test" / ("cat" if i % 2 else "dog") / f"{i}.png", pictures[i])
+
+
+def count_decodes(monkeypatch) -> list:
+    calls = []
+    original = data.decode_images
+    monkeypatch.setattr(data, "decode_images", lambda paths, root: (calls.append(root), original(paths, root))[1])
+    return calls
+
+
+def test_an_image_folder_is_decoded_once_and_reused_until_a_file_changes(tmp_path, monkeypatch):
+    small_folder(tmp_path)
+    calls = count_decodes(monkeypatch)
+    first = data.cached_image_folder(str(tmp_path / "train"))
+    again = data.cached_image_folder(str(tmp_path / "train"))
+    assert (
+        len(calls) == 1 and torch.equal(first.images, again.images) and first.labels.tolist() == [0, 1, 1]
+    )  # cat/1, dog/0, dog/2
+    assert [p.name for p in (tmp_path / ".decoded").glob("train-*.pt")]  # beside the data
+    write_png(tmp_path / "train" / "dog" / "0.png", torch.zeros(32, 32, 3, dtype=torch.uint8))  # one file changes
+    changed = data.cached_image_folder(str(tmp_path / "train"))
+    assert len(calls) == 2 and changed.images[1].sum() == 0
+    assert len(list((tmp_path / ".decoded").glob("train-*.pt"))) == 1  # the outdated cache is gone
+
+
+def test_machines_ranks_decode_a_folder_once_between_them(tmp_path, monkeypatch):
+    small_folder(tmp_path, images=20)
+    calls = count_decodes(monkeypatch)
+    with ThreadPoolExecutor(3) as pool:  # a lock per folder: one decodes, the others wait and load
+        sets = list(pool.map(lambda _: data.cached_image_folder(str(tmp_path / "train")), range(3)))
+    assert len(calls) == 1 and all(torch.equal(s.images, sets[0].images) for s in sets)
+
+
+def test_a_read_only_data_dir_caches_in_the_users_cache_folder(tmp_path, monkeypatch):
+    small_folder(tmp_path / "data")
+    (tmp_path / "data" / ".decoded").write_text("in the way, as a read-only DATA_DIR would be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data.cached_image_folder(str(tmp_path / "data" / "train"))
+    assert list((tmp_path / "cache" / "resnet-ddp").glob("*/train-*.pt"))
 
 
 def write_cifar_batch(path, images, labels):
@@ -140,7 +190,7 @@ def write_cifar_batch(path, images, labels):
         pickle.dump({"data": images.reshape(len(images), -1).numpy(), "labels": labels}, f, protocol=2)
 
 
-def test_cifar10_reader(tmp_path, monkeypatch):
+def test_cifar10_reader(tmp_path):
     folder = tmp_path / "cifar-10-batches-py"
     folder.mkdir()
     images = torch.randint(0, 256, (6, 12, 3, 32, 32), dtype=torch.uint8)
@@ -148,11 +198,11 @@ def test_cifar10_reader(tmp_path, monkeypatch):
         write_cifar_batch(folder / f"data_batch_{i + 1}", images[i], list(range(i, i + 12)))
     write_cifar_batch(folder / "test_batch", images[5], [9] * 12)
     with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
-                                     "ship", "truck"]}, f, protocol=2)
-    # Tiny files have other md5 sums than the real ones: bypass torchvision's check here (only here).
-    monkeypatch.setattr(CIFAR10, "_check_integrity", lambda self: True)
-    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda path, md5=None: True)
+        pickle.dump(
+            {"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]},
+            f,
+            protocol=2,
+        )
     train, test = data.load_dataset("cifar10", str(tmp_path), 0, seed=0)
     assert torch.equal(train.images, images[:5].reshape(60, 3, 32, 32))
     assert train.labels.tolist() == [label for i in range(5) for label in range(i, i + 12)]
@@ -183,3 +233,16 @@ def test_synthetic_classes_are_learnable_by_their_colour():
     predicted = torch.cdist(colour(test), centres).argmin(1)
     assert (predicted == test.labels).float().mean() > 0.3
     assert not torch.equal(train.images[:400], test.images)
+
+
+def test_decoding_in_chunks_on_all_cores_names_every_damaged_file(tmp_path, monkeypatch):
+    small_folder(tmp_path, images=7)
+    (tmp_path / "train" / "cat" / "broken.png").write_bytes(b"not a picture")
+    monkeypatch.setattr(data, "DECODE_CHUNK", 2)  # several chunks: decoded by a pool of processes
+    with pytest.raises(UserError, match=r"1 of 8 images in .*train cannot be read: .*broken\.png \(cannot identify"):
+        data.cached_image_folder(str(tmp_path / "train"))
+    (tmp_path / "train" / "cat" / "broken.png").unlink()
+    chunked = data.cached_image_folder(str(tmp_path / "train"))
+    monkeypatch.setattr(data, "DECODE_CHUNK", 2_000)
+    shutil.rmtree(tmp_path / ".decoded")
+    assert torch.equal(chunked.images, data.cached_image_folder(str(tmp_path / "train")).images)

@@ -1,7 +1,10 @@
 """The process model with real processes: device and backend, ports, threads, and failures."""
+
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -27,7 +30,7 @@ def reports(out_dir, world_size):
 
 
 def test_cpu_gets_gloo_and_two_processes():
-    assert dt.device_and_backend(0) == (torch.device("cpu"), "gloo")
+    assert dt.choose_device(0, 2) == (torch.device("cpu"), "gloo")
     assert dt.resolve_world_size(0) == 2
     assert dt.resolve_world_size(3) == 3
     with pytest.raises(dt.UserError, match="negative"):
@@ -82,6 +85,7 @@ def test_a_raising_worker_ends_the_run_and_names_its_rank(capfd, tmp_path):
     assert time.monotonic() - started < 60
     err = capfd.readouterr().err
     assert "[rank 1] failed with RuntimeError" in err and "[rank 1] RuntimeError: raised on purpose by the test" in err
+    assert "[rank 0] Traceback" not in err  # the rank that lost its peer says so in one line, if at all
     # the port is released: an immediate rerun on the same port works
     assert dt.run_distribute(workers.report_worker, 2, str(tmp_path)) == 0
     assert {f["master_port"] for f in reports(tmp_path, 2)} == {port}
@@ -102,5 +106,66 @@ def test_more_ranks_than_gpus_is_refused_before_anything_starts(monkeypatch):
         dt.resolve_world_size(3)
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(dt.UserError, match="--nproc_per_node=2 or fewer"):
+    with pytest.raises(
+        dt.UserError, match=r"two ranks would share a GPU; start one process per GPU \(--nproc_per_node=2\)"
+    ):
         dt.resolve_world_size(0)
+
+
+@pytest.mark.parametrize(
+    "visible,local_rank,local_world_size,expected",
+    [
+        (8, 3, 8, "cuda:3"),  # every GPU of the machine visible: GPU LOCAL_RANK
+        (8, 1, 2, "cuda:1"),  # fewer ranks than GPUs
+        (1, 3, 8, "cuda:0"),  # one GPU visible per process (SLURM --gpus-per-task=1): that one
+        (1, 0, 1, "cuda:0"),
+    ],
+)
+def test_each_rank_gets_its_own_gpu_in_every_layout(monkeypatch, visible, local_rank, local_world_size, expected):
+    monkeypatch.setattr(dt, "gpu_count", lambda: visible)
+    assert dt.choose_device(local_rank, local_world_size) == (torch.device(expected), "nccl")
+
+
+def test_two_ranks_never_share_a_gpu(monkeypatch):
+    monkeypatch.setattr(dt, "gpu_count", lambda: 2)
+    with pytest.raises(dt.UserError, match="4 processes on this machine but each sees 2 GPUs"):
+        dt.choose_device(3, 4)
+
+
+def fake_nvidia_smi(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi on PATH that lists two GPUs, as on a machine whose torch cannot use them."""
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-1)'\necho 'GPU 1: NVIDIA H200 (UUID: GPU-2)'\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_gpus_torch_cannot_use_stop_the_run_unless_the_cpu_is_asked_for(tmp_path, monkeypatch):
+    fake_nvidia_smi(tmp_path, monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(
+        dt.UserError, match="nvidia-smi shows 2 GPU.* but torch .* cannot use them.*CUDA_VISIBLE_DEVICES="
+    ):
+        dt.resolve_world_size(0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU on purpose
+    assert dt.resolve_world_size(0) == 2 and dt.choose_device(0, 2)[1] == "gloo"
+
+
+def test_gpus_torch_cannot_use_are_one_line_before_anything_starts(tmp_path, monkeypatch):
+    from tests.conftest import run_script
+
+    fake_nvidia_smi(tmp_path, monkeypatch)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    result = run_script("--dataset=synthetic", f"--output_dir={tmp_path / 'out'}", env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and "nvidia-smi shows 2 GPU(s)" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_whose_launcher_is_already_gone_leaves_at_once():
+    """The launcher can die between spawning a rank and the rank asking to die with it."""
+    code = "import distribute_tools as dt; dt._die_with_launcher(1); print('still here')"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=dt.__file__.rsplit("/", 1)[0]
+    )
+    assert result.returncode == dt.EXIT_STOPPED and "still here" not in result.stdout

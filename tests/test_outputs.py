@@ -1,7 +1,18 @@
 """Files in OUTPUT_DIR: atomic writes, moving an earlier run aside, leftovers of a killed run."""
+
+import errno
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import pytest
+import torch
 
 import outputs
+from distribute_tools import UserError
 
 
 def test_a_failed_write_leaves_the_previous_file_whole(tmp_path):
@@ -39,8 +50,175 @@ def test_temporaries_of_a_killed_run_are_removed(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["pytorch_res.csv"]
 
 
-def test_summary_names_best_and_final(tmp_path):
-    history = [{"epoch": 1, "acc": 0.5, "images_per_second": 100.0}, {"epoch": 2, "acc": 0.4, "images_per_second": 300.0}]
-    line = outputs.summary_line(history, 75, str(tmp_path))
+def row(epoch: int, acc: float, speed: float) -> dict:
+    return {
+        "epoch": epoch,
+        "loss": 1.0 / epoch,
+        "acc": acc,
+        "test_loss": 1.0,
+        "train_acc": acc,
+        "lr": 0.1,
+        "epoch_seconds": 10.0,
+        "elapsed_seconds": 12.0 + 10 * epoch,
+        "images_per_second": speed,
+        "peak_memory_mb": 1.0,
+        "write_wait_seconds": 0.5,
+    }
+
+
+def test_summary_names_best_final_and_the_whole_run(tmp_path):
+    line = outputs.summary_line([row(1, 0.5, 100.0), row(2, 0.4, 300.0)], str(tmp_path))
     assert "best acc 0.5000 (epoch 1)" in line and "final acc 0.4000" in line and "200 img/s" in line
-    assert "1m15s" in line
+    assert "2 epochs in 0m32s" in line  # the last epoch's elapsed_seconds: start-up included
+    assert "20.0 s training and evaluation, 1.0 s waiting for files" in line
+
+
+# ----------------------------------------------------------------------------- the background writer
+
+
+def snapshot(epoch: int) -> dict:
+    return {"model": {"w": torch.full((3,), float(epoch))}, "epoch": epoch}
+
+
+def test_writer_writes_checkpoint_csv_and_picture_and_close_waits_for_them(tmp_path):
+    writer = outputs.ResultWriter(str(tmp_path))
+    history = []
+    for epoch in (1, 2, 3):
+        assert writer.wait() >= 0
+        history.append(row(epoch, 0.1 * epoch, 100.0))
+        writer.submit(snapshot(epoch), history)
+    writer.close()
+    assert outputs.load_checkpoint(str(tmp_path))["epoch"] == 3
+    assert (tmp_path / "pytorch_res.csv").read_text().count("\n") == 4  # header and 3 rows
+    assert (tmp_path / "pytorch_res.png").stat().st_size > 10_000  # drawn at close with every epoch
+
+
+def test_writer_checkpoint_lands_before_the_csv_row_that_follows_from_it(tmp_path, monkeypatch):
+    order = []
+    for name in ("save_checkpoint", "write_csv", "plot_history"):
+        original = getattr(outputs, name)
+        monkeypatch.setattr(outputs, name, lambda *a, _f=original, _n=name: (order.append(_n), _f(*a))[1])
+    writer = outputs.ResultWriter(str(tmp_path))
+    writer.submit(snapshot(1), [row(1, 0.1, 1.0)])
+    writer.close()
+    assert order == ["save_checkpoint", "write_csv", "plot_history"]
+
+
+def test_writer_keeps_one_epoch_pending_and_reports_the_wait(tmp_path, monkeypatch):
+    release = threading.Event()
+    original = outputs.save_checkpoint
+    monkeypatch.setattr(outputs, "save_checkpoint", lambda state, folder: (release.wait(5), original(state, folder)))
+    writer = outputs.ResultWriter(str(tmp_path))
+    writer.submit(snapshot(1), [row(1, 0.1, 1.0)])
+    with pytest.raises(AssertionError):
+        writer.submit(snapshot(2), [row(1, 0.1, 1.0), row(2, 0.2, 1.0)])  # never two epochs in flight
+    threading.Timer(0.3, release.set).start()
+    assert writer.wait() >= 0.25  # training would have waited this long
+    writer.close()
+
+
+def test_a_failed_write_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    def disk_full(state, folder):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "checkpoint.pt"))
+
+    monkeypatch.setattr(outputs, "save_checkpoint", disk_full)
+    writer = outputs.ResultWriter(str(tmp_path))
+    writer.submit(snapshot(1), [row(1, 0.1, 1.0)])
+    with pytest.raises(UserError, match=f"could not write {tmp_path}/checkpoint.pt \\(No space left on device\\)"):
+        writer.wait()
+    writer.close()
+
+
+def test_the_picture_is_redrawn_within_its_time_share(tmp_path, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(outputs, "plot_history", lambda history, folder: (drawn.append(len(history)), time.sleep(0.05)))
+    writer = outputs.ResultWriter(str(tmp_path))
+    history = []
+    for epoch in range(1, 6):
+        writer.wait()
+        history.append(row(epoch, 0.1, 1.0))
+        writer.submit(snapshot(epoch), history)
+    writer.close()
+    assert drawn[0] == 1 and drawn[-1] == 5  # the first epoch's, and every epoch's at the end
+    assert len(drawn) < 5  # 0.05 s per drawing and at most 2% of the time: not after every epoch
+
+
+def test_snapshot_is_a_copy(tmp_path):
+    weights = torch.zeros(4)
+    copy = outputs.cpu_snapshot({"w": weights, "rows": [{"a": 1}]})
+    weights += 1
+    assert copy["w"].sum() == 0 and copy["rows"] == [{"a": 1}]
+
+
+# ----------------------------------------------------------------------------- one run per folder
+
+
+def test_a_second_run_is_refused_while_the_first_holds_the_folder(tmp_path):
+    first = outputs.claim_output_dir(str(tmp_path / "out"))
+    with pytest.raises(UserError, match=f"OUTPUT_DIR {tmp_path}/out is in use by another run \\(pid {os.getpid()}"):
+        outputs.claim_output_dir(str(tmp_path / "out"))
+    with pytest.raises(UserError, match="is in use by another run"):
+        outputs.check_output_dir(str(tmp_path / "out"))  # the launcher's check, before any rank starts
+    first.close()
+    outputs.claim_output_dir(str(tmp_path / "out")).close()  # free again
+
+
+def test_a_lock_dies_with_its_process(tmp_path):
+    """kill -9 of a run leaves no stale lock behind: the kernel releases it."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import outputs, time; h = outputs.claim_output_dir({str(tmp_path)!r}); "
+            "print('held', flush=True); time.sleep(60)",
+        ],
+        cwd=Path(outputs.__file__).parent,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(UserError):
+        outputs.claim_output_dir(str(tmp_path))
+    holder.kill()
+    holder.wait()
+    outputs.claim_output_dir(str(tmp_path)).close()
+
+
+def test_a_restart_of_the_same_run_takes_the_folder_over(tmp_path, monkeypatch):
+    """torchrun's next attempt (same run id) waits for the previous attempt's process to go."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import outputs, time; h = outputs.claim_output_dir({str(tmp_path)!r}); "
+            "print('held', flush=True); time.sleep(1.5)",
+        ],
+        cwd=Path(outputs.__file__).parent,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ},
+    )
+    assert holder.stdout.readline().strip() == "held"
+    started = time.monotonic()
+    outputs.claim_output_dir(str(tmp_path)).close()  # waits instead of refusing
+    assert time.monotonic() - started > 0.5
+    holder.wait()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-8")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import outputs, time; h = outputs.claim_output_dir({str(tmp_path)!r}); "
+            "print('held', flush=True); time.sleep(30)",
+        ],
+        cwd=Path(outputs.__file__).parent,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TORCHELASTIC_RUN_ID": "other"},
+    )
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(UserError, match="in use by another run"):
+        outputs.claim_output_dir(str(tmp_path))  # another run: refused at once
+    holder.kill()
+    holder.wait()

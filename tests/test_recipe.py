@@ -1,4 +1,5 @@
 """The recipe's switches: label smoothing, flip test-time augmentation, and the seed's recipe end to end."""
+
 import os
 
 import pandas as pd
@@ -34,18 +35,18 @@ def test_label_smoothing_is_the_constants(smoothing):
 
 
 def test_tta_switch_averages_each_image_with_its_mirror(reference_run, one_rank):
-    out, _ = reference_run
+    out, _, _ = reference_run
     cfg = td.read_config([*TINY, "--world_size=1", f"--output_dir={out}", "--amp=False"])
-    t = td.build_training(cfg, one_rank)
-    td.restore(t, load_checkpoint(str(out)))
+    run = td.build_run(cfg, one_rank, launched_at=0.0)
+    td.restore(run, load_checkpoint(str(out)))
     results = {}
     for tta in (False, True):
-        t.cfg.TTA = tta
-        results[tta] = td.evaluate(t)
-    t.model.eval()
+        run.cfg.TTA = tta
+        results[tta] = td.evaluate(run)
+    run.model.eval()
     with torch.no_grad():
-        x, y = next(t.test_data.eval_batches(1, 0, batch_size=len(t.test_data)))
-        plain, mirrored = t.model(x), t.model(x.flip(3))
+        x, y = next(run.test_data.eval_batches(1, 0, batch_size=len(run.test_data)))
+        plain, mirrored = run.model(x), run.model(x.flip(3))
     for tta, logits in ((False, plain), (True, (plain + mirrored) / 2)):
         loss, acc = results[tta]
         assert acc == (logits.argmax(1) == y).float().mean().item()
@@ -54,8 +55,16 @@ def test_tta_switch_averages_each_image_with_its_mirror(reference_run, one_rank)
 
 
 def test_seed_recipe_runs_end_to_end(tmp_path):
-    seed_recipe = ["--optimizer=adam", "--lr=1e-3", "--schedule=constant", "--weight_decay=0", "--label_smoothing=0",
-                   "--augment=False", "--tta=False", "--relu_after_sum=False"]
+    seed_recipe = [
+        "--optimizer=adam",
+        "--lr=1e-3",
+        "--schedule=constant",
+        "--weight_decay=0",
+        "--label_smoothing=0",
+        "--augment=False",
+        "--tta=False",
+        "--relu_after_sum=False",
+    ]
     result = run_script(*TINY, *seed_recipe, "--epochs=3", f"--output_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
     assert "seed blocks" in result.stdout and "adam peak lr 0.001" in result.stdout

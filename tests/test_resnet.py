@@ -6,14 +6,31 @@ from resnet import ResNet
 SEED_NETWORK_PARAMETERS = 9_553_674  # the seed's resnet.py, counted with torch
 
 
+def conv(cin: int, cout: int, k: int) -> int:
+    return cin * cout * k * k + cout  # weights + bias
+
+
+def bn(c: int) -> int:
+    return 2 * c  # scale and shift per channel
+
+
+def block(cin: int, cout: int) -> int:
+    shortcut = conv(cin, cout, 1) + bn(cout) if cin != cout else 0
+    return conv(cin, cout, 3) + bn(cout) + conv(cout, cout, 3) + bn(cout) + shortcut
+
+
 def expected_parameters(w: int, classes: int = 10) -> int:
-    """The architecture's count from its description: conv k x k (weights + bias), BN (2 per channel)."""
-    conv = lambda cin, cout, k: cin * cout * k * k + cout  # noqa: E731
-    bn = lambda c: 2 * c  # noqa: E731
-    block = lambda cin, cout: conv(cin, cout, 3) + bn(cout) + conv(cout, cout, 3) + bn(cout) + (  # noqa: E731
-        conv(cin, cout, 1) + bn(cout) if cin != cout else 0)
-    return (conv(3, w, 3) + bn(w) + block(w, 2 * w) + block(2 * w, 4 * w) + block(4 * w, 8 * w)
-            + block(8 * w, 8 * w) + 8 * w * classes + classes)
+    """The architecture's count from its description."""
+    return (
+        conv(3, w, 3)
+        + bn(w)
+        + block(w, 2 * w)
+        + block(2 * w, 4 * w)
+        + block(4 * w, 8 * w)
+        + block(8 * w, 8 * w)
+        + 8 * w * classes
+        + classes
+    )
 
 
 def count(model: torch.nn.Module) -> int:

@@ -1,5 +1,6 @@
 """Worker functions for tests that start real processes. They live in a module of their own because
 spawned processes find a worker by importing the module that defines it."""
+
 import json
 import os
 import time
@@ -7,20 +8,29 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 import train_distribute as td
-from data import DeviceLoader, make_synthetic
 from distribute_tools import barrier, cleanup, setup
 from outputs import load_checkpoint
+
+# A tiny run: synthetic images, no augmentation noise between runs that are compared.
+TINY_ARGS = ["--dataset=synthetic", "--synthetic_size=512", "--amp=False", "--augment=False", "--epochs=1"]
+STEP_ARGS = [*TINY_ARGS, "--width=4", "--batch_size=256"]
 
 
 def report_worker(rank: int, world_size: int, out_dir: str) -> None:
     """Writes what setup decided for this rank."""
-    d = setup(rank, world_size, timeout_s=60)
-    facts = {"rank": d.rank, "world_size": d.world_size, "device": str(d.device), "backend": d.backend,
-             "threads": torch.get_num_threads(), "master_port": os.environ["MASTER_PORT"],
-             "master_addr": os.environ["MASTER_ADDR"], "is_main": d.is_main}
+    info = setup(rank, world_size, timeout_s=60)
+    facts = {
+        "rank": info.rank,
+        "world_size": info.world_size,
+        "device": str(info.device),
+        "backend": info.backend,
+        "threads": torch.get_num_threads(),
+        "master_port": os.environ["MASTER_PORT"],
+        "master_addr": os.environ["MASTER_ADDR"],
+        "is_main": info.is_main,
+    }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(facts))
     cleanup(finished=True)
 
@@ -42,33 +52,66 @@ def hanging_worker(rank: int, world_size: int, timeout_s: float) -> None:
     barrier()  # rank 0 waits in a collective: it must give up after timeout_s
 
 
-def gradient_step_worker(rank: int, world_size: int, global_batch: int, out_path: str) -> None:
-    """Two optimizer steps of a network without BatchNorm on this rank's share of each global batch,
-    through the project's loader and train_step; rank 0 saves the resulting weights."""
-    d = setup(rank, world_size, timeout_s=60)
-    cfg = td.read_config(["--optimizer=sgd", "--weight_decay=5e-4", "--momentum=0.9", "--amp=False"])
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(8, 10)).to(memory_format=torch.channels_last)
-    loader = DeviceLoader(make_synthetic(4 * global_batch, seed=0, split=0), d.device, augment=False)
-    t = td.Training(cfg, d, model, DistributedDataParallel(model), td.make_optimizer(cfg, model, d.device),
-                    loader, loader, bf16=False)
-    batches = loader.train_batches(global_batch, world_size, rank, seed=0, epoch=1)
-    for _, (x, y) in zip(range(2), batches):
-        assert len(y) == global_batch // world_size
-        td.train_step(t, x, y, lr=0.05, loss_fn=nn.CrossEntropyLoss())
-    if d.is_main:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out_path)
+def tiny_run(rank: int, world_size: int, argv: list) -> td.Run:
+    info = setup(rank, world_size, timeout_s=120)
+    return td.build_run(td.read_config(argv), info, launched_at=time.time())
+
+
+def one_step(run: td.Run, global_batch: int, model: nn.Module | None = None) -> None:
+    """One optimizer step of the project's train_step on this rank's share of the first global batch;
+    with `model`, that network (wrapped in DDP like the project's) replaces the ResNet."""
+    if model is not None:
+        run.model = model
+        run.ddp_model = nn.parallel.DistributedDataParallel(model)
+        run.optimizer = td.make_optimizer(run.cfg, model, run.dist_info.device)
+    info = run.dist_info
+    x, y = next(run.train_data.train_batches(global_batch, info.world_size, info.rank, seed=0, epoch=1))
+    assert len(y) == global_batch // info.world_size
+    td.train_step(run, x, y, lr=0.05, loss_fn=nn.CrossEntropyLoss(), sums=torch.zeros(3))
+
+
+def steps_worker(rank: int, world_size: int, variants: dict, global_batch: int, out: str) -> None:
+    """One step of the project's code per variant {name: (extra settings, without_batchnorm)}, each from
+    the same start; rank 0 saves the gradients, weights and BatchNorm statistics of each."""
+    info = setup(rank, world_size, timeout_s=120)
+    results = {}
+    for name, (extra, without_batchnorm) in variants.items():
+        run = td.build_run(td.read_config([*STEP_ARGS, *extra]), info, launched_at=time.time())
+        plain = None
+        if without_batchnorm:
+            torch.manual_seed(0)
+            plain = nn.Sequential(
+                nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)
+            )
+        one_step(run, global_batch, plain)
+        grads = {f"grad.{key}": p.grad.detach().clone() for key, p in run.model.named_parameters()}
+        results[name] = {**grads, **{key: v.detach().clone() for key, v in run.model.state_dict().items()}}
+    if info.is_main:
+        torch.save(results, out)
+    cleanup(finished=True)
+
+
+def widths_worker(rank: int, world_size: int, widths: list, out: str) -> None:
+    """An epoch and an evaluation of the project's code at each width: no width may crash a rank."""
+    info = setup(rank, world_size, timeout_s=120)
+    finished = []
+    for width in widths:
+        argv = [*TINY_ARGS, f"--width={width}", f"--batch_size={16 * world_size}"]
+        run = td.build_run(td.read_config(argv), info, launched_at=time.time())
+        (loss_sum, _, images), _, _ = td.train_epoch(run, epoch=1)
+        _, acc = td.evaluate(run)
+        assert loss_sum / images > 0 and 0 <= acc <= 1
+        finished.append(width)
+    if info.is_main:
+        Path(out).write_text(json.dumps(finished))
     cleanup(finished=True)
 
 
 def evaluate_worker(rank: int, world_size: int, argv: list, out_path: str) -> None:
     """Evaluates the checkpoint in OUTPUT_DIR with the project's evaluate()."""
-    cfg = td.read_config(argv)
-    d = setup(rank, world_size, timeout_s=60)
-    t = td.build_training(cfg, d)
-    td.restore(t, load_checkpoint(cfg.OUTPUT_DIR))
-    loss, acc = td.evaluate(t)
-    if d.is_main:
-        Path(out_path).write_text(json.dumps({"loss": loss, "acc": acc, "images": len(t.test_data)}))
+    run = tiny_run(rank, world_size, argv)
+    td.restore(run, load_checkpoint(run.cfg.OUTPUT_DIR))
+    loss, acc = td.evaluate(run)
+    if run.dist_info.is_main:
+        Path(out_path).write_text(json.dumps({"loss": loss, "acc": acc, "images": len(run.test_data)}))
     cleanup(finished=True)
