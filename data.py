@@ -61,9 +61,11 @@ def prepare(dataset: str, data_dir: str, synthetic_size: int) -> int:
     if dataset == "cifar10":
         download_cifar10(data_dir)
         return CIFAR_TRAIN_IMAGES
-    train, test = (cached_image_folder(os.path.join(data_dir, split)) for split in ("train", "test"))
-    check_same_classes(data_dir, train.classes, test.classes)
-    return len(train)
+    (_, train_classes, train_images), (_, test_classes, _) = (
+        ensure_decoded(os.path.join(data_dir, split)) for split in ("train", "test")
+    )
+    check_same_classes(data_dir, train_classes, test_classes)
+    return train_images
 
 
 def download_cifar10(data_dir: str, timeout_s: float = 60.0) -> None:
@@ -175,22 +177,29 @@ def list_image_folder(root: str) -> tuple[list[str], list[tuple[str, int]]]:
     return classes, samples
 
 
-def cached_image_folder(root: str) -> ImageSet:
-    """The image folder `root`, decoded. The first process on a machine decodes it (under a file lock,
-    so the others wait instead of decoding too) into a cache keyed by every file's path, size and
-    modification time; afterwards it loads in a fraction of a second, until a file changes."""
+def ensure_decoded(root: str) -> tuple[str, list[str], int]:
+    """Decode the image folder `root` into its cache file unless one for its current files exists;
+    returns that file, the classes and the number of images. The cache is keyed by every file's path,
+    size and modification time; the first process decodes (under a file lock, so that the other ranks
+    and machines sharing the folder wait instead of decoding too)."""
     classes, samples = list_image_folder(root)
     path = _cache_path(root, _cache_key(root, classes, samples))
     with file_lock(os.path.join(os.path.dirname(path), f"{os.path.basename(root)}.lock")):
-        try:
-            cached = torch.load(path, weights_only=True)
-            return ImageSet(cached["images"], cached["labels"], cached["classes"])
-        except (OSError, RuntimeError, KeyError):  # not built yet, or damaged: decode again
-            pass
-        images = decode_images([p for p, _ in samples], root)
-        labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
-        _write_cache(path, {"images": images, "labels": labels, "classes": classes})
-    return ImageSet(images, labels, classes)
+        if not os.path.exists(path):  # written by a rename: if it is there, it is whole
+            images = decode_images([p for p, _ in samples], root)
+            labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
+            _write_cache(path, {"images": images, "labels": labels, "classes": classes})
+    return path, classes, len(samples)
+
+
+def cached_image_folder(root: str) -> ImageSet:
+    """The image folder `root`, decoded (once per machine; afterwards loaded in a fraction of a second)."""
+    path, _, _ = ensure_decoded(root)
+    try:
+        cached = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError) as e:
+        raise UserError(f"the decoded copy {path} cannot be read ({type(e).__name__}); delete it and rerun") from None
+    return ImageSet(cached["images"], cached["labels"], cached["classes"])
 
 
 def decode_images(paths: list[str], root: str) -> torch.Tensor:

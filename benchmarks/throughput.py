@@ -228,8 +228,8 @@ def main() -> None:
         f"({precision}{', compiled' if args.compile else ''})",
         flush=True,
     )
-    layout = torch.channels_last if device.type == "cuda" else torch.contiguous_format
-    other = torch.contiguous_format if device.type == "cuda" else torch.channels_last
+    layout = td.choose_memory_format(device, args.width)
+    other = torch.contiguous_format if layout == torch.channels_last else torch.channels_last
     ceiling, flops = compute_ceiling(args, layout)
     # One GPU per rank: the ceiling of N GPUs is N times one GPU's. CPU ranks share the cores the ceiling used.
     scale = world_size if device.type == "cuda" else 1

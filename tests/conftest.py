@@ -15,7 +15,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the suite exercises the CPU/gloo path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_distribute.py"
 # A small, fast run: tiny network, synthetic images, several steps per epoch.
-TINY = ["--dataset=synthetic", "--synthetic_size=2000", "--width=8", "--batch_size=128", "--world_size=2"]
+TINY = ["--dataset=synthetic", "--synthetic_size=1200", "--width=8", "--batch_size=96", "--world_size=2"]
 HANG_TIMEOUT = 240  # seconds; a run that takes longer than this is hanging, not slow
 
 

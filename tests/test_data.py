@@ -126,8 +126,7 @@ def test_image_folder_reader(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "layout,message",
-    [(None, "does not exist"), ([], "no train/"), (["train", "test"], "zebra holds no images")],
+    "layout,message", [(None, "does not exist"), ([], "no train/"), (["train", "test"], "zebra holds no images")]
 )
 def test_image_folder_checks(tmp_path, layout, message):
     root = tmp_path / "images"

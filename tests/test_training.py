@@ -130,7 +130,7 @@ def test_evaluation_is_exact_and_independent_of_the_world_size(reference_run, tm
     for world_size in (1, 2):
         run_workers(workers.evaluate_worker, world_size, argv, str(tmp_path / f"ws{world_size}.json"))
         results.append(json.loads((tmp_path / f"ws{world_size}.json").read_text()))
-    assert results[0]["images"] == results[1]["images"] == 400  # every test image, no padding
+    assert results[0]["images"] == results[1]["images"] == 240  # every test image, no padding
     assert results[0]["acc"] == results[1]["acc"]
     assert results[0]["loss"] == pytest.approx(results[1]["loss"], abs=1e-5)
     # the checkpoint holds the statistics the run evaluated with: the CSV's last figure comes back exactly
@@ -442,10 +442,9 @@ def test_ctrl_c_during_a_background_write_finishes_the_files_first(tmp_path):
 
 
 @pytest.mark.parametrize("who", ["launcher", "rank"])
-def test_a_stop_signal_ends_every_rank_resumably(reference_run, tmp_path, who):
+def test_a_stop_signal_ends_every_rank_resumably(tmp_path, who):
     """SIGTERM to the launcher (kill, scancel) or SIGUSR1 to one rank (SLURM's warning before the time
     limit): every rank stops within seconds, the last checkpoint stays, the exit code says "resumable"."""
-    out, _, _ = reference_run
     folder = tmp_path / "out"
     args = [*TINY, "--epochs=5", f"--output_dir={folder}"]
     process = start(*args)
@@ -457,8 +456,8 @@ def test_a_stop_signal_ends_every_rank_resumably(reference_run, tmp_path, who):
     assert process.returncode == dt.EXIT_STOPPED == 75, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("stopped by") and lines[0].endswith("continue with --resume True")
-    if who == "launcher":
-        resume_and_check(folder, out, args)
+    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)  # whole, and the CSV agrees with it
+    assert checkpoint["epoch"] == csv_rows(folder) >= 1 and not list(folder.glob("*.tmp*"))
 
 
 # ----------------------------------------------------------------------------- torchrun
