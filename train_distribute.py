@@ -16,8 +16,9 @@ What the default recipe does, and what each part measured (machine and command; 
     24 against 24 images/s, 1.11x the one-process ceiling (python -m benchmarks.throughput)
   - bf16 autocast where bf16 is native: 1.97x fp32 (AVX512-bf16 CPU, width 64); fp32 elsewhere,
     where bf16 is emulated and slower (1.4 against 23 images/s, AVX2 CPU)
-  - channels_last: 1.2x at widths 8-16 on the AVX2 CPU, equal at 64 (python -m benchmarks.throughput
-    --width 16 --skip_seed); contiguous below width 8 on CPUs, where torch 2.14 crashes with it
+  - channels_last: 1.17x the contiguous layout at width 16 on the AVX2 CPU (compute ceiling, 364 against
+    311 images/s: python -m benchmarks.throughput --width 16 --batch_size 256 --skip_seed --steps 10),
+    equal at width 64; contiguous below width 8 on CPUs, where torch 2.14 crashes with it
   - a ReLU after each residual sum (the seed has none): holdout accuracy 0.7830 -> 0.8162, and flip
     test-time augmentation 0.8052 -> 0.8162 on the same weights (width 16, 5 epochs, 2 CPU ranks:
     python train_distribute.py --dataset imagefolder --data_dir DIR --width 16 --epochs 5)
@@ -268,9 +269,9 @@ def build_run(cfg: SimpleNamespace, dist_info: DistInfo, launched_at: float) -> 
 
 
 def choose_memory_format(device: torch.device, width: int) -> torch.memory_format:
-    """channels_last: what tensor cores want, and 1.2x faster on CPUs too at widths 8-16 (2-core AVX2
-    CPU, one thread per rank). Not on CPUs below width 8, where torch's CPU kernels crash with it when
-    a rank has one thread (torch 2.14; "free(): invalid next size")."""
+    """channels_last: what tensor cores want, and 1.17x faster on CPUs too at width 16 (2-core AVX2 CPU;
+    README, Performance). Not on CPUs below width 8, where torch's CPU kernels crash with it when a
+    rank has one thread (torch 2.14; "free(): invalid next size")."""
     return torch.contiguous_format if device.type == "cpu" and width < 8 else torch.channels_last
 
 

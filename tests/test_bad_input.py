@@ -99,7 +99,8 @@ def make_bad_inputs(tmp: Path) -> None:
     (tmp / "corrupt" / "cifar-10-python.tar.gz").write_bytes(b"half a download")
 
 
-THROUGH_A_NEW_PROCESS = ("unknown_setting", "truncated_jpeg", "output_dir_is_file")  # the rest: main() in-process
+# The cases through a real launcher process each; the rest through main() in this process.
+THROUGH_A_NEW_PROCESS = ("unknown_setting", "truncated_jpeg", "empty_class", "class_mismatch", "output_dir_is_file")
 
 
 @pytest.fixture(scope="module")

@@ -163,20 +163,27 @@ def test_a_second_run_is_refused_while_the_first_holds_the_folder(tmp_path):
     outputs.claim_output_dir(str(tmp_path / "out")).close()  # free again
 
 
-def test_a_lock_dies_with_its_process(tmp_path):
-    """kill -9 of a run leaves no stale lock behind: the kernel releases it."""
+def hold_output_dir(folder: Path, seconds: float, **env: str) -> subprocess.Popen:
+    """Another process that claims `folder` and keeps it for `seconds`; returns once it holds it."""
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            f"import outputs, time; h = outputs.claim_output_dir({str(tmp_path)!r}); "
-            "print('held', flush=True); time.sleep(60)",
+            f"import outputs, time; h = outputs.claim_output_dir({str(folder)!r}); "
+            f"print('held', flush=True); time.sleep({seconds})",
         ],
         cwd=Path(outputs.__file__).parent,
         stdout=subprocess.PIPE,
         text=True,
+        env={**os.environ, **env},
     )
     assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_lock_dies_with_its_process(tmp_path):
+    """kill -9 of a run leaves no stale lock behind: the kernel releases it."""
+    holder = hold_output_dir(tmp_path, 60)
     with pytest.raises(UserError):
         outputs.claim_output_dir(str(tmp_path))
     holder.kill()
@@ -187,37 +194,13 @@ def test_a_lock_dies_with_its_process(tmp_path):
 def test_a_restart_of_the_same_run_takes_the_folder_over(tmp_path, monkeypatch):
     """torchrun's next attempt (same run id) waits for the previous attempt's process to go."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import outputs, time; h = outputs.claim_output_dir({str(tmp_path)!r}); "
-            "print('held', flush=True); time.sleep(1.5)",
-        ],
-        cwd=Path(outputs.__file__).parent,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ},
-    )
-    assert holder.stdout.readline().strip() == "held"
+    holder = hold_output_dir(tmp_path, 1.5)
     started = time.monotonic()
     outputs.claim_output_dir(str(tmp_path)).close()  # waits instead of refusing
     assert time.monotonic() - started > 0.5
     holder.wait()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-8")
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import outputs, time; h = outputs.claim_output_dir({str(tmp_path)!r}); "
-            "print('held', flush=True); time.sleep(30)",
-        ],
-        cwd=Path(outputs.__file__).parent,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "TORCHELASTIC_RUN_ID": "other"},
-    )
-    assert holder.stdout.readline().strip() == "held"
+    holder = hold_output_dir(tmp_path, 30, TORCHELASTIC_RUN_ID="other")
     with pytest.raises(UserError, match="in use by another run"):
         outputs.claim_output_dir(str(tmp_path))  # another run: refused at once
     holder.kill()
