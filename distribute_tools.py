@@ -347,15 +347,15 @@ def fresh_store(rank: int, world_size: int, timeout_s: float) -> tuple[dist.Stor
         return None, 0
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    attempt = _agree_on_attempt(store, rank, world_size)
+    attempt = _agree_on_attempt(store, rank, world_size, timeout_s)
     return dist.PrefixStore(f"attempt-{attempt}/", store), attempt
 
 
-def _agree_on_attempt(store: dist.Store, rank: int, world_size: int) -> int:
+def _agree_on_attempt(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> int:
     """Rank 0 draws a number never drawn before (an atomic counter) and publishes it; every other rank
     must prove it read the live one, not one a dead attempt left: it sends a random token under the
     number it read, and only the live rank 0 confirms tokens under the live number. No confirmation
-    within 2 s: the number was stale, read it again."""
+    within 2 s: the number was stale, read it again (for at most `timeout_s`, like any collective)."""
     if rank == 0:
         attempt = store.add("attempt/counter", 1)
         store.set("attempt/current", str(attempt))
@@ -364,8 +364,8 @@ def _agree_on_attempt(store: dist.Store, rank: int, world_size: int) -> int:
             store.wait([hello])
             store.set(f"attempt/{attempt}/confirmed/{other}/{store.get(hello).decode()}", "1")
         return attempt
-    token = os.urandom(8).hex()
-    while True:
+    token, deadline = os.urandom(8).hex(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         store.wait(["attempt/current"])
         attempt = int(store.get("attempt/current"))
         store.set(f"attempt/{attempt}/hello/{rank}", token)
@@ -374,6 +374,7 @@ def _agree_on_attempt(store: dist.Store, rank: int, world_size: int) -> int:
             return attempt
         except RuntimeError:  # DistStoreError on a timeout: a stale number
             continue
+    raise RuntimeError(f"rank {rank}: rank 0 did not start its attempt within {timeout_s:.0f} s")
 
 
 def report_failure(error: BaseException, rank: int, local_rank: int) -> None:
