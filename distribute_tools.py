@@ -411,6 +411,10 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 GRACE_SECONDS = 30  # how long a stopping rank may take to finish its files before it is killed
 STOPPING: list[int] = []  # the stop signal this process received, if any
 STOPPED = "every rank stopped; the files in OUTPUT_DIR are from the last completed epoch: continue with --resume True"
+STOPPED_UNDER_TORCHRUN = (
+    "the files in OUTPUT_DIR are from the last completed epoch; a torchrun restart or requeue continues "
+    "from them by itself, a new torchrun command with --resume True"
+)
 
 
 def _worker_entry(
@@ -430,18 +434,19 @@ def _worker_entry(
     if failure is None:
         return 0
     if launcher_pid is None:
+        if isinstance(failure, Stopped) and rank == 0:  # no launcher of ours to say it: rank 0 does
+            print_error(f"stopped by {failure}: {STOPPED_UNDER_TORCHRUN}")
         _tell_torchrun(failure)
         return _exit_code(failure)
     sys.exit(EXIT_PORT_TAKEN if rank == 0 and _is_port_taken(failure) else _exit_code(failure))
 
 
 def _tell_torchrun(error: BaseException) -> None:
-    """A rank that stops for a reason a restart cannot mend asks torchrun to stop rather than restart:
-    torchrun restarts after any non-zero exit, but not when it gets SIGTERM itself. Such reasons: a
-    UserError, and SIGUSR1 (a scheduler's warning before it stops the job; torchrun itself never sends
-    it). Not SIGTERM: torchrun sends that to the surviving workers before it restarts them. Its failure
-    report shows our one line (the message of the file in TORCHELASTIC_ERROR_FILE), not a link."""
-    if not isinstance(error, (UserError, Stopped)) or "TORCHELASTIC_RUN_ID" not in os.environ:
+    """A UserError is one a restart cannot mend: local rank 0 asks torchrun to stop rather than restart
+    (torchrun restarts after any non-zero exit, but not when it gets SIGTERM itself; see also
+    _stop_on_signals). Its failure report shows our one line (the message of the file in
+    TORCHELASTIC_ERROR_FILE), not a link."""
+    if not isinstance(error, (UserError, Stopped)) or not _torchrun_is_parent():
         return
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
@@ -450,8 +455,12 @@ def _tell_torchrun(error: BaseException) -> None:
         message = f"error: {error}" if isinstance(error, UserError) else f"stopped by {error}: {STOPPED}"
         with open(path, "w") as f:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
-    if str(error) == "SIGUSR1" or (isinstance(error, UserError) and os.environ.get("LOCAL_RANK") == "0"):
+    if isinstance(error, UserError) and os.environ.get("LOCAL_RANK") == "0":
         os.kill(os.getppid(), signal.SIGTERM)
+
+
+def _torchrun_is_parent() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def _exit_code(error: BaseException) -> int:
@@ -468,7 +477,10 @@ def _exit_code(error: BaseException) -> int:
 
 def _stop_on_signals() -> None:
     """Ctrl-C raises KeyboardInterrupt, SIGTERM and SIGUSR1 raise Stopped, in the main thread, once:
-    a second signal while the rank finishes its files must not cut them short."""
+    a second signal while the rank finishes its files must not cut them short. Under torchrun, SIGUSR1
+    (a scheduler's warning before it stops the job; torchrun never sends it) is passed to torchrun as
+    SIGTERM at once, so that it stops every worker instead of restarting them when this one leaves.
+    Not SIGTERM: torchrun sends that itself to the surviving workers before a restart."""
 
     def handler(signum: int, frame: Any) -> None:
         if STOPPING:
@@ -476,6 +488,8 @@ def _stop_on_signals() -> None:
         STOPPING.append(signum)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if signum == signal.SIGUSR1 and _torchrun_is_parent():
+            os.kill(os.getppid(), signal.SIGTERM)
         raise Stopped(signal.Signals(signum).name)
 
     for sig in (signal.SIGINT, *STOP_SIGNALS):

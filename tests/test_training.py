@@ -595,6 +595,39 @@ def test_torchrun_restart_continues_from_the_checkpoint(tmp_path):
     assert not list(folder.glob("previous-*")), "the restart moved the run's own results aside"
 
 
+@pytest.mark.parametrize("who", ["torchrun", "worker"])
+def test_a_stop_signal_under_torchrun_stops_the_job_instead_of_restarting_it(tmp_path, who):
+    """SIGTERM to torchrun (scancel, Kubernetes) or SIGUSR1 to one worker (SLURM's warning): every worker
+    stops within seconds, rank 0 says so in one line after its files, and torchrun does not restart them."""
+    folder = tmp_path / "out"
+    command = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=2", str(SCRIPT), *TINY[:-1], "--epochs=8")
+    process = subprocess.Popen(
+        [*command, f"--output_dir={folder}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=clean_env(),
+        start_new_session=True,
+    )
+    try:
+        wait_for_rows(folder, 1, process)
+        workers = worker_processes(process.pid)
+        os.kill(*((process.pid, signal.SIGTERM) if who == "torchrun" else (workers[1], signal.SIGUSR1)))
+        started = time.monotonic()
+        log = process.communicate(timeout=HANG_TIMEOUT)[0]
+        assert time.monotonic() - started < 25, log
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode != 0  # torchrun reports the signal it got as a failure of its own
+    assert log.count("epoch 1/8") == 1 and "resuming" not in log, "torchrun restarted the workers"
+    assert log.count("stopped by SIGTERM: the files in OUTPUT_DIR are from the last completed epoch") == 1, log
+    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
+    assert checkpoint["epoch"] == csv_rows(folder) >= 1 and not list(folder.glob("*.tmp*"))
+    time.sleep(0.5)
+    assert not [pid for pid in workers if alive(pid)], "workers left behind"
+
+
 def test_two_torchrun_nodes_restart_and_continue_wherever_rank_0_lands(tmp_path):
     """The same with two launchers ("machines", each its own OUTPUT_DIR): after the restart, global rank 0
     may sit on the other machine, whose disk has no checkpoint; it receives the newest one."""
