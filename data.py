@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from distribute_tools import UserError, cpu_cores, file_lock
 
 IMAGE_SIZE = 32
+Listing = tuple[list[str], list[tuple[str, int]]]  # an image folder's classes, and (path, label) of each image
 CROP_PAD = 4  # random crops shift images by up to this many pixels (reflect padding)
 # CIFAR-10's per-channel mean and standard deviation, in 0..1 pixel units.
 MEAN = (0.4914, 0.4822, 0.4465)
@@ -62,11 +63,11 @@ def prepare(dataset: str, data_dir: str, synthetic_size: int) -> int:
     if dataset == "cifar10":
         download_cifar10(data_dir)
         return CIFAR_TRAIN_IMAGES
-    (_, train_classes, train_images), (_, test_classes, _) = (
-        ensure_decoded(os.path.join(data_dir, split)) for split in ("train", "test")
-    )
-    check_same_classes(data_dir, train_classes, test_classes)
-    return train_images
+    listings = [list_image_folder(os.path.join(data_dir, split)) for split in ("train", "test")]
+    check_same_classes(data_dir, listings[0][0], listings[1][0])  # before seconds of decoding
+    for split, listing in zip(("train", "test"), listings, strict=True):
+        ensure_decoded(os.path.join(data_dir, split), listing)
+    return len(listings[0][1])
 
 
 def download_cifar10(data_dir: str, timeout_s: float = 60.0) -> None:
@@ -150,7 +151,7 @@ def read_cifar10(data_dir: str, train: bool) -> ImageSet:
     return ImageSet(pixels.contiguous(), labels, list(classes))
 
 
-def list_image_folder(root: str) -> tuple[list[str], list[tuple[str, int]]]:
+def list_image_folder(root: str) -> Listing:
     """Class names (sorted sub-folder names; hidden folders such as .ipynb_checkpoints are skipped) and
     (path, label) of every image file. Raises UserError for a missing folder or an empty class."""
     if not os.path.isdir(root):
@@ -178,12 +179,13 @@ def list_image_folder(root: str) -> tuple[list[str], list[tuple[str, int]]]:
     return classes, samples
 
 
-def ensure_decoded(root: str) -> tuple[str, list[str], int]:
+def ensure_decoded(root: str, listing: Listing | None = None) -> tuple[str, list[str], int]:
     """Decode the image folder `root` into its cache file unless one for its current files exists;
     returns that file, the classes and the number of images. The cache is keyed by every file's path,
     size and modification time; the first process decodes (under a file lock, so that the other ranks
-    and machines sharing the folder wait instead of decoding too)."""
-    classes, samples = list_image_folder(root)
+    and machines sharing the folder wait instead of decoding too). `listing`: list_image_folder(root), if
+    the caller has it already."""
+    classes, samples = listing or list_image_folder(root)
     path = _cache_path(root, _cache_key(root, classes, samples))
     with file_lock(os.path.join(os.path.dirname(path), f"{os.path.basename(root)}.lock")):
         if not os.path.exists(path):  # written by a rename: if it is there, it is whole

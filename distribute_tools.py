@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+EXIT_USER_ERROR = 2  # a problem the user can fix, reported in one line (as argparse exits on a bad argument)
 EXIT_STOPPED = 75  # stopped by SIGTERM or SIGUSR1 (a scheduler's preemption): resumable (sysexits' EX_TEMPFAIL)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report it
 
@@ -121,6 +122,16 @@ def process_group(rank: int, world_size: int, timeout_s: float = 600.0) -> Itera
         cleanup(finished=together)
 
 
+def refuse_to_start(error: UserError) -> int:
+    """A problem found before any rank started: one line (once per machine under torchrun, which is then
+    asked to stop rather than restart a run that would fail the same way); returns the exit code."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print_error(f"error: {error}")
+    if under_torchrun():
+        _tell_torchrun(error)
+    return EXIT_USER_ERROR
+
+
 def run_distribute(worker: Callable[..., None], world_size: int, *args: Any) -> int:
     """Run worker(rank, world_size, *args) on every rank and return the exit code for the whole run.
 
@@ -147,6 +158,13 @@ def restart_count() -> int:
 def run_id() -> str:
     """What names this run across restarts: torchrun's run id, SLURM's job id, or nothing."""
     return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
+
+
+def run_ids() -> dict[str, str]:
+    """Every name this run has that survives a restart (torchrun's run id, SLURM's job id): a checkpoint
+    carries them, so that a restart continues its own run's checkpoint and no other."""
+    names = {"torchrun": "TORCHELASTIC_RUN_ID", "slurm": "SLURM_JOB_ID"}
+    return {kind: os.environ[name] for kind, name in names.items() if os.environ.get(name)}
 
 
 def gpu_count() -> int:
@@ -591,7 +609,7 @@ def _stop_on_signal(processes: list, signum: int) -> int:
 
 def _explain_exit(e: Any) -> int:
     if e.exit_code == EXIT_REPORTED:  # the rank printed its one line already
-        return 1
+        return EXIT_USER_ERROR
     if e.exit_code == EXIT_STOPPED:
         print_error(f"stopped by a signal to rank {e.error_index} (SIGTERM or SIGUSR1): {STOPPED}")
     if e.exit_code in (EXIT_PORT_TAKEN, EXIT_INTERRUPTED, EXIT_STOPPED):

@@ -12,13 +12,16 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import IO, Any
 
 import torch
 
+import config
 from distribute_tools import UserError, run_id
 
 CSV_NAME = "pytorch_res.csv"
@@ -54,14 +57,17 @@ class ResultWriter:
         if self.pending is None:
             return 0.0
         started = time.perf_counter()
-        pending, self.pending = self.pending, None
         try:
-            pending.result()
-        except OSError as e:
+            self.pending.result()  # a signal here leaves it pending: close() still finishes it
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+            self.pending = None
+            where = getattr(e, "filename", None) or f"the files in {self.output_dir}"
+            reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
             raise UserError(
-                f"could not write {e.filename or self.output_dir} ({e.strerror or e}); free space "
-                f"or choose another --output_dir, then resume with --resume True"
+                f"could not write {where} ({reason}); free space or choose another --output_dir, then "
+                f"resume with --resume True"
             ) from None
+        self.pending = None
         return time.perf_counter() - started
 
     def submit(self, snapshot: dict[str, Any], history: list[dict[str, float]], ready: Any = None) -> None:
@@ -108,7 +114,7 @@ def cpu_snapshot(value: Any) -> Any:
 
 def write_atomically(path: str, write: Callable[[str], None]) -> None:
     """write(temporary_path), then rename it to `path` in one step."""
-    temporary = f"{path}.tmp{os.getpid()}"
+    temporary = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"  # the writer thread and close() never share one
     try:
         write(temporary)
         os.replace(temporary, path)
@@ -124,6 +130,49 @@ def save_checkpoint(state: dict[str, Any], output_dir: str) -> None:
 def load_checkpoint(output_dir: str) -> dict[str, Any]:
     """Tensors and plain Python values only (weights_only); every tensor lands on the CPU."""
     return torch.load(os.path.join(output_dir, CHECKPOINT_NAME), map_location="cpu", weights_only=True)
+
+
+def checkpoint_epoch(output_dir: str) -> tuple[int, dict[str, str]]:
+    """The epoch of the checkpoint in output_dir (-1 if there is none) and the run ids it was saved
+    under (reads only what it needs)."""
+    try:
+        path = os.path.join(output_dir, CHECKPOINT_NAME)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return int(checkpoint["epoch"]), dict(checkpoint.get("run_ids", {}))
+    except (OSError, RuntimeError, KeyError, ValueError):
+        return -1, {}
+
+
+def same_run(saved_by: dict[str, str], ours: dict[str, str]) -> bool:
+    """Whether a checkpoint saved under the run ids `saved_by` belongs to the run named by `ours`."""
+    return any(saved_by.get(kind) == name for kind, name in ours.items())
+
+
+def read_resume_checkpoint(cfg: SimpleNamespace) -> dict[str, Any]:
+    """The checkpoint in OUTPUT_DIR, once it is known to continue this same run."""
+    path = os.path.join(cfg.OUTPUT_DIR, CHECKPOINT_NAME)
+    if not os.path.isfile(path):
+        raise UserError(no_checkpoint_message(cfg.OUTPUT_DIR))
+    try:
+        checkpoint = load_checkpoint(cfg.OUTPUT_DIR)
+    except Exception as e:
+        raise UserError(f"cannot read {path} ({type(e).__name__}); start a new run without --resume") from None
+    config.check_resume(checkpoint["config"], cfg)
+    return checkpoint
+
+
+def no_checkpoint_message(output_dir: str) -> str:
+    """RESUME=True found nothing to resume: say where a later run moved the last checkpoint, if it did."""
+    moved = latest_moved_checkpoint(output_dir)
+    hint = (
+        f"; a later run moved the last one to {moved}: move its files back into {output_dir} to continue it"
+        if moved
+        else ""
+    )
+    return (
+        f"RESUME=True but there is no {os.path.join(output_dir, CHECKPOINT_NAME)}{hint}; or run without "
+        f"--resume to start a new run"
+    )
 
 
 def write_csv(history: list[dict[str, float]], output_dir: str) -> None:
@@ -226,7 +275,13 @@ def claim_output_dir(output_dir: str, wait_for_same_run: bool = True) -> IO[str]
 
 def _lock_or_refuse(path: str, output_dir: str, same_run_wait_s: float) -> IO[str]:
     deadline = time.monotonic() + same_run_wait_s
-    handle = open(path, "a+")
+    try:
+        handle = open(path, "a+")
+    except OSError as e:  # a read-only file system, say (under torchrun no launcher checked it before)
+        raise UserError(
+            f"OUTPUT_DIR {output_dir} is not writable ({e.strerror}: {path}); choose another --output_dir "
+            f"or fix its permissions"
+        ) from None
     while True:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -31,7 +31,6 @@ What the default recipe does, and what each part measured (machine and command; 
 
 import inspect
 import math
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -55,9 +54,11 @@ from distribute_tools import (
     process_group,
     process_start_time,
     raise_if_any,
+    refuse_to_start,
     resolve_world_size,
     restart_count,
     run_distribute,
+    run_ids,
     sync_batchnorm,
     under_torchrun,
 )
@@ -65,13 +66,15 @@ from outputs import (
     Progress,
     ResultWriter,
     check_output_dir,
+    checkpoint_epoch,
     claim_output_dir,
     cpu_snapshot,
     epoch_line,
-    latest_moved_checkpoint,
-    load_checkpoint,
     move_aside_earlier_results,
+    no_checkpoint_message,
+    read_resume_checkpoint,
     remove_stale_temporaries,
+    same_run,
     save_checkpoint,
     summary_line,
     write_csv,
@@ -167,44 +170,6 @@ def main_worker(rank: int, world_size: int, cfg: SimpleNamespace, launched_at: f
         with own_output_dir(cfg, dist_info):  # rank 0 is the only writer of OUTPUT_DIR
             history = start_or_resume(run)
             train(run, history)
-
-
-def train(run: Run, history: list[dict[str, float]]) -> None:
-    """The epochs: train, evaluate, report; rank 0 hands the files to a background writer."""
-    cfg, is_main = run.cfg, run.dist_info.is_main
-    writer = ResultWriter(cfg.OUTPUT_DIR) if is_main else None
-    try:
-        for epoch in range(len(history) + 1, cfg.EPOCHS + 1):
-            started = time.perf_counter()
-            (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
-            stop_if_diverged(loss_sum, epoch, cfg)
-            test_loss, acc = evaluate(run)
-            epoch_seconds, elapsed = time.perf_counter() - started, run.elapsed()
-            waited = wait_for_files(writer)  # rank 0: the previous epoch's files are on disk
-            history.append(
-                {
-                    "epoch": epoch,
-                    "loss": loss_sum / images,
-                    "acc": acc,
-                    "test_loss": test_loss,
-                    "train_acc": correct / images,
-                    "lr": lr,
-                    "epoch_seconds": epoch_seconds,
-                    "elapsed_seconds": elapsed,
-                    "images_per_second": images / train_seconds,
-                    "peak_memory_mb": peak_memory_mb(run.dist_info.device),
-                    "write_wait_seconds": waited,
-                }
-            )
-            if writer:
-                snapshot, ready = checkpoint_snapshot(run, history)
-                writer.submit(snapshot, history, ready)
-                print(epoch_line(history[-1], cfg.EPOCHS), flush=True)
-    finally:
-        if writer:
-            writer.close()  # every completed epoch's files are on disk before this rank leaves
-    if is_main:
-        print(summary_line(history, cfg.OUTPUT_DIR), flush=True)
 
 
 # ----------------------------------------------------------------------------- building the run
@@ -330,6 +295,9 @@ def start_or_resume(run: Run) -> list[dict[str, float]]:
         remove_stale_temporaries(cfg.OUTPUT_DIR)
         if checkpoint:
             if source != 0:  # it lay on another machine's disk: this one writes from now on
+                moved = move_aside_earlier_results(cfg.OUTPUT_DIR)  # an older epoch, or another run's
+                if moved:
+                    print(f"moved the older results in {cfg.OUTPUT_DIR} to {moved}")
                 save_checkpoint(checkpoint, cfg.OUTPUT_DIR)
             write_csv(history, cfg.OUTPUT_DIR)
             where = f" (the checkpoint of rank {source}'s machine)" if source else ""
@@ -357,65 +325,31 @@ def newest_checkpoint(cfg: SimpleNamespace, dist_info: DistInfo) -> tuple[dict[s
     (OUTPUT_DIR may be a local disk, and global rank 0 may now sit on another machine than before),
     read where it lies and sent to every rank, and the rank it came from. None for a new run.
     Every rank takes part: whether this is a restart is decided from what all ranks know."""
-    mine = (checkpoint_epoch(cfg.OUTPUT_DIR) if dist_info.local_rank == 0 else -1, dist_info.restarted)
+    epoch, saved_by = checkpoint_epoch(cfg.OUTPUT_DIR) if dist_info.local_rank == 0 else (-1, {})
     everyone: list[Any] = [None] * dist_info.world_size
-    dist.all_gather_object(everyone, mine)
-    epochs, restarted = [epoch for epoch, _ in everyone], any(flag for _, flag in everyone)
+    dist.all_gather_object(everyone, (epoch, saved_by, dist_info.restarted))
+    restarted = any(flag for _, _, flag in everyone)
     if not (cfg.RESUME or restarted):
         return None, 0
+    # A restart continues its own run only (another machine's disk may hold an older run's checkpoint);
+    # RESUME=True continues whatever checkpoint there is, if its settings match.
+    ours = run_ids()
+    epochs = [epoch if cfg.RESUME or not ours or same_run(saved_by, ours) else -1 for epoch, saved_by, _ in everyone]
     if max(epochs) < 0:
         if not restarted:
             raise UserError(no_checkpoint_message(cfg.OUTPUT_DIR))  # every rank sees the same epochs
         return None, 0  # restarted before its first checkpoint: it starts again
     source = 0 if epochs[0] == max(epochs) else epochs.index(max(epochs))
-    box: list[Any] = [None, None]  # the checkpoint, or the reason it cannot be used
+    checkpoint_or_reason: list[Any] = [None, None]  # the checkpoint, or why it cannot be used
     if dist_info.rank == source:
         try:
-            box[0] = read_resume_checkpoint(cfg)
+            checkpoint_or_reason[0] = read_resume_checkpoint(cfg)
         except UserError as e:
-            box[1] = str(e)
-    dist.broadcast_object_list(box, src=source)
-    if box[1]:
-        raise UserError(box[1])
-    return box[0], source
-
-
-def checkpoint_epoch(output_dir: str) -> int:
-    """The epoch of the checkpoint in output_dir, -1 if there is none (reads only what it needs)."""
-    try:
-        return int(
-            torch.load(os.path.join(output_dir, "checkpoint.pt"), map_location="cpu", weights_only=True, mmap=True)[
-                "epoch"
-            ]
-        )
-    except (OSError, RuntimeError, KeyError, ValueError):
-        return -1
-
-
-def read_resume_checkpoint(cfg: SimpleNamespace) -> dict[str, Any]:
-    """The checkpoint in OUTPUT_DIR, once it is known to continue this same run."""
-    path = os.path.join(cfg.OUTPUT_DIR, "checkpoint.pt")
-    if not os.path.isfile(path):
-        raise UserError(no_checkpoint_message(cfg.OUTPUT_DIR))
-    try:
-        checkpoint = load_checkpoint(cfg.OUTPUT_DIR)
-    except Exception as e:
-        raise UserError(f"cannot read {path} ({type(e).__name__}); start a new run without --resume") from None
-    config.check_resume(checkpoint["config"], cfg)
-    return checkpoint
-
-
-def no_checkpoint_message(output_dir: str) -> str:
-    moved = latest_moved_checkpoint(output_dir)
-    hint = (
-        f"; a later run moved the last one to {moved}: move its files back into {output_dir} to continue it"
-        if moved
-        else ""
-    )
-    return (
-        f"RESUME=True but there is no {os.path.join(output_dir, 'checkpoint.pt')}{hint}; or run without "
-        f"--resume to start a new run"
-    )
+            checkpoint_or_reason[1] = str(e)
+    dist.broadcast_object_list(checkpoint_or_reason, src=source)
+    if checkpoint_or_reason[1]:
+        raise UserError(checkpoint_or_reason[1])
+    return checkpoint_or_reason[0], source
 
 
 def restore(run: Run, state: dict[str, Any]) -> list[dict[str, float]]:
@@ -464,6 +398,47 @@ def describe(run: Run) -> str:
             f"start-up {time.time() - run.launched_at:.1f} s",
         ]
     )
+
+
+# ----------------------------------------------------------------------------- the epoch loop
+
+
+def train(run: Run, history: list[dict[str, float]]) -> None:
+    """The epochs: train, evaluate, report; rank 0 hands the files to a background writer."""
+    cfg, is_main = run.cfg, run.dist_info.is_main
+    writer = ResultWriter(cfg.OUTPUT_DIR) if is_main else None
+    try:
+        for epoch in range(len(history) + 1, cfg.EPOCHS + 1):
+            started = time.perf_counter()
+            (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
+            stop_if_diverged(loss_sum, epoch, cfg)
+            test_loss, acc = evaluate(run)
+            epoch_seconds, elapsed = time.perf_counter() - started, run.elapsed()
+            waited = wait_for_files(writer)  # rank 0: the previous epoch's files are on disk
+            history.append(
+                {
+                    "epoch": epoch,
+                    "loss": loss_sum / images,
+                    "acc": acc,
+                    "test_loss": test_loss,
+                    "train_acc": correct / images,
+                    "lr": lr,
+                    "epoch_seconds": epoch_seconds,
+                    "elapsed_seconds": elapsed,
+                    "images_per_second": images / train_seconds,
+                    "peak_memory_mb": peak_memory_mb(run.dist_info.device),
+                    "write_wait_seconds": waited,
+                }
+            )
+            if writer:
+                snapshot, ready = checkpoint_snapshot(run, history)
+                writer.submit(snapshot, history, ready)
+                print(epoch_line(history[-1], cfg.EPOCHS), flush=True)
+    finally:
+        if writer:
+            writer.close()  # every completed epoch's files are on disk before this rank leaves
+    if is_main:
+        print(summary_line(history, cfg.OUTPUT_DIR), flush=True)
 
 
 # ----------------------------------------------------------------------------- training
@@ -601,6 +576,7 @@ def checkpoint_snapshot(run: Run, history: list[dict[str, float]]) -> tuple[dict
         "steps_per_epoch": run.steps_per_epoch,
         "config": vars(run.cfg),
         "history": history,
+        "run_ids": run_ids(),  # a restart continues this checkpoint only if it names the same run
     }
     snapshot = cpu_snapshot(state)
     ready = None
@@ -638,9 +614,7 @@ def main(argv: list[str]) -> int:
         cfg = read_config(argv)
         world_size = check_before_start(cfg)
     except UserError as e:
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun: once per machine
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refuse_to_start(e)
     return run_distribute(main_worker, world_size, cfg, launched_at)
 
 

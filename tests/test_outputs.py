@@ -129,6 +129,38 @@ def test_a_failed_write_is_one_line_naming_the_file(tmp_path, monkeypatch):
     writer.close()
 
 
+def test_a_full_disk_under_torch_save_is_one_line_too(tmp_path, monkeypatch):
+    """torch.save reports a full disk as a RuntimeError, not an OSError."""
+
+    def full(state, path):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 7040 vs 6976")
+
+    monkeypatch.setattr(outputs.torch, "save", full)
+    writer = outputs.ResultWriter(str(tmp_path))
+    writer.submit(snapshot(1), [row(1, 0.1, 1.0)])
+    with pytest.raises(UserError, match=f"could not write the files in {tmp_path} \\(\\[enforce fail"):
+        writer.wait()
+    writer.close()
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_an_interrupted_wait_leaves_the_write_to_close(tmp_path, monkeypatch):
+    """Ctrl-C (or a stop signal) while training waits for the writer: close() still finishes the files."""
+    import _thread
+
+    save = outputs.save_checkpoint
+    monkeypatch.setattr(outputs, "save_checkpoint", lambda state, folder: (time.sleep(1.0), save(state, folder)))
+    writer = outputs.ResultWriter(str(tmp_path))
+    writer.submit(snapshot(1), [row(1, 0.1, 1.0)])
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        writer.wait()
+    assert writer.pending is not None
+    writer.close()
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["epoch"] == 1
+    assert (tmp_path / "pytorch_res.csv").exists() and (tmp_path / "pytorch_res.png").exists()
+
+
 def test_the_picture_is_redrawn_within_its_time_share(tmp_path, monkeypatch):
     drawn = []
     monkeypatch.setattr(outputs, "plot_history", lambda history, folder: (drawn.append(len(history)), time.sleep(0.05)))
@@ -179,6 +211,13 @@ def hold_output_dir(folder: Path, seconds: float, **env: str) -> subprocess.Pope
     )
     assert holder.stdout.readline().strip() == "held"
     return holder
+
+
+def test_an_output_dir_that_cannot_hold_the_lock_is_one_line(tmp_path):
+    """Under torchrun no launcher checks OUTPUT_DIR first: rank 0's claim says it in one line."""
+    (tmp_path / ".lock").mkdir()  # as unwritable as a read-only file system, even for root
+    with pytest.raises(UserError, match=f"OUTPUT_DIR {tmp_path} is not writable \\(Is a directory"):
+        outputs.claim_output_dir(str(tmp_path))
 
 
 def test_a_lock_dies_with_its_process(tmp_path):

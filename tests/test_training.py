@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import distribute_tools as dt
+import outputs
 from tests import workers
 from tests.conftest import (
     HANG_TIMEOUT,
@@ -325,7 +326,7 @@ def test_resume_refuses_a_different_run(reference_run, change):
     cfg = td.read_config([*TINY, "--epochs=5", f"--output_dir={out}", "--resume=True", change])
     name = change[2:].split("=")[0].upper()
     with pytest.raises(dt.UserError, match=f"{name}=.* differs from the checkpoint's"):
-        td.read_resume_checkpoint(cfg)
+        outputs.read_resume_checkpoint(cfg)
 
 
 def test_non_finite_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(reference_run, tmp_path):
@@ -487,6 +488,34 @@ def test_torchrun_standalone(tmp_path):
     assert csv_rows(tmp_path / "out") == 1
     assert "WORLD_SIZE=3 is ignored under torchrun, which started 2 ranks" in result.stdout
     assert "2 rank(s) on cpu (gloo)" in result.stdout
+
+
+@pytest.mark.parametrize("mistake", ["setting", "damaged_image"])
+def test_a_mistake_under_torchrun_is_one_line_and_not_restarted(tmp_path, mistake):
+    """A bad setting (found before the worker starts) or a damaged image (found by the worker): the
+    worker's one line comes first, and torchrun stops instead of restarting a run that would fail the
+    same way."""
+    from tests.test_bad_input import make_bad_inputs
+
+    make_bad_inputs(tmp_path)
+    args = {
+        "setting": [*TINY[:-1], "--epochs=0"],
+        "damaged_image": ["--dataset=imagefolder", f"--data_dir={tmp_path / 'truncated'}"],
+    }[mistake]
+    result = subprocess.run(
+        torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=2", str(SCRIPT), *args, "--output_dir=out"),
+        capture_output=True,
+        text=True,
+        timeout=HANG_TIMEOUT,
+        env=clean_env(),
+        cwd=tmp_path,
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0
+    assert len(errors) == 1, result.stderr  # once: one machine, and no restart
+    assert ("EPOCHS=0 must be positive" if mistake == "setting" else "cut.jpg (image file is truncated") in errors[0]
+    assert result.stderr.index(errors[0]) < result.stderr.index("Traceback"), "torchrun's report came first"
+    assert not (tmp_path / "out").exists()
 
 
 def two_nodes(
