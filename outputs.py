@@ -364,21 +364,38 @@ def format_seconds(seconds: float) -> str:
 class Progress:
     """A progress bar for one epoch on a terminal: steps, images/s, running loss, ETA.
 
-    Refreshed every `every` steps; each refresh reads the running sums once (one host sync per
-    refresh, none per step). Off when stdout is not a terminal: then one plain line per epoch."""
+    Refreshed every `every` steps from the running sums. On a GPU it never waits for them: each refresh
+    queues a copy of the sums to the host and shows the previous refresh's copy once it has landed, so
+    the thread that launches kernels is never held up (the bar lags one refresh). Off when stdout is
+    not a terminal: then one plain line per epoch."""
 
     def __init__(self, enabled: bool, every: int, epoch: int, epochs: int, steps: int, world_size: int) -> None:
         self.enabled = enabled and sys.stdout.isatty()
         self.every = max(1, every)
         self.epoch, self.epochs, self.steps, self.world_size = epoch, epochs, steps, world_size
         self.started = time.perf_counter()
+        self.in_flight: tuple[torch.Tensor, Any, int, float] | None = None  # GPU: (copy, event, steps, time)
 
     def update(self, step: int, sums: torch.Tensor) -> None:
         if not self.enabled or ((step + 1) % self.every and step + 1 != self.steps):
             return
-        loss_sum, _, images = sums.tolist()  # this rank's; the others train at the same pace
-        elapsed = time.perf_counter() - self.started
-        done = step + 1
+        done, now = step + 1, time.perf_counter()
+        if not sums.is_cuda:
+            self.show(sums.tolist(), done, now - self.started)
+            return
+        if self.in_flight is not None:
+            copy, landed, copied_at_step, copied_at = self.in_flight
+            if not landed.query():
+                return  # the previous copy is still queued: skip this refresh rather than wait
+            self.show(copy.tolist(), copied_at_step, copied_at - self.started)
+        copy = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+        copy.copy_(sums, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        self.in_flight = (copy, landed, done, now)
+
+    def show(self, sums: list[float], done: int, elapsed: float) -> None:
+        loss_sum, _, images = sums  # this rank's; the others train at the same pace
         eta = elapsed / done * (self.steps - done)
         filled = int(24 * done / self.steps)
         bar = "#" * filled + "." * (24 - filled)
