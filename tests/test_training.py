@@ -591,18 +591,16 @@ def worker_processes(launcher: int) -> list[int]:
     return [pid for pid in children_of(launcher) if b"train_distribute.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
-def test_torchrun_restart_continues_from_the_checkpoint(tmp_path):
-    """A worker killed after epoch 2: torchrun restarts both, the new group forms, and the run continues
-    from its checkpoint: every epoch once, epoch 1 trained once, exit 0."""
-    folder = tmp_path / "out"
-    process = subprocess.Popen(
+def start_torchrun_job(folder: Path, epochs: int) -> subprocess.Popen:
+    """torchrun --standalone with 2 workers and up to 2 restarts, in a session of its own; output merged."""
+    return subprocess.Popen(
         torchrun(
             "--standalone",
             "--nproc_per_node=2",
             "--max-restarts=2",
             str(SCRIPT),
             *TINY[:-1],
-            "--epochs=6",
+            f"--epochs={epochs}",
             f"--output_dir={folder}",
         ),
         stdout=subprocess.PIPE,
@@ -611,6 +609,13 @@ def test_torchrun_restart_continues_from_the_checkpoint(tmp_path):
         env=clean_env(),
         start_new_session=True,
     )
+
+
+def test_torchrun_restart_continues_from_the_checkpoint(tmp_path):
+    """A worker killed after epoch 2: torchrun restarts both, the new group forms, and the run continues
+    from its checkpoint: every epoch once, epoch 1 trained once, exit 0."""
+    folder = tmp_path / "out"
+    process = start_torchrun_job(folder, epochs=6)
     try:
         wait_for_rows(folder, 2, process)
         os.kill(worker_processes(process.pid)[1], signal.SIGKILL)
@@ -629,15 +634,7 @@ def test_a_stop_signal_under_torchrun_stops_the_job_instead_of_restarting_it(tmp
     """SIGTERM to torchrun (scancel, Kubernetes) or SIGUSR1 to one worker (SLURM's warning): every worker
     stops within seconds, rank 0 says so in one line after its files, and torchrun does not restart them."""
     folder = tmp_path / "out"
-    command = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=2", str(SCRIPT), *TINY[:-1], "--epochs=8")
-    process = subprocess.Popen(
-        [*command, f"--output_dir={folder}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=clean_env(),
-        start_new_session=True,
-    )
+    process = start_torchrun_job(folder, epochs=8)
     try:
         wait_for_rows(folder, 1, process)
         workers = worker_processes(process.pid)
