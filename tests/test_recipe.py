@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import train_distribute as td
-from distribute_tools import cleanup, free_port, setup
+from distribute_tools import UserError, cleanup, free_port, setup
 from outputs import load_checkpoint
 from tests.conftest import TINY, run_script
 
@@ -52,6 +52,17 @@ def test_tta_switch_averages_each_image_with_its_mirror(reference_run, one_rank)
         assert acc == (logits.argmax(1) == y).float().mean().item()
         assert loss == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
     assert results[True][0] != results[False][0]
+
+
+def test_a_resume_on_other_data_is_refused(reference_run, one_rank):
+    """Same settings, but a training set of another size (an image folder that changed): one line."""
+    out, _, _ = reference_run
+    cfg = td.read_config([*TINY, "--world_size=1", f"--output_dir={out}", "--amp=False"])
+    run = td.build_run(cfg, one_rank, launched_at=0.0)
+    state = load_checkpoint(str(out))
+    state["steps_per_epoch"] += 3
+    with pytest.raises(UserError, match=f"an epoch now has {run.steps_per_epoch} steps, the checkpoint's "):
+        td.restore(run, state)
 
 
 def test_seed_recipe_runs_end_to_end(tmp_path):
