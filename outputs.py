@@ -1,4 +1,5 @@
-"""What a run leaves in OUTPUT_DIR and shows on the console. Only global rank 0 calls these.
+"""What a run leaves in OUTPUT_DIR and shows on the console. Only global rank 0 writes and prints;
+for a resume, each machine's local rank 0 reads the checkpoint its own OUTPUT_DIR holds.
 
 Every file is written to a temporary name and then renamed over the old one, so a crash or
 `kill -9` at any moment leaves either the previous complete file or the new complete file.
