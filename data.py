@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from distribute_tools import UserError, cpu_cores, file_lock
+from outputs import write_atomically
 
 IMAGE_SIZE = 32
 Listing = tuple[list[str], list[tuple[str, int]]]  # an image folder's classes, and (path, label) of each image
@@ -281,9 +282,7 @@ def _write_cache(path: str, content: dict) -> None:
     for name in os.listdir(folder):
         if name.startswith(f"{split}-") and name.endswith(".pt"):
             os.remove(os.path.join(folder, name))
-    temporary = f"{path}.tmp{os.getpid()}"
-    torch.save(content, temporary)
-    os.replace(temporary, path)
+    write_atomically(path, lambda temporary: torch.save(content, temporary))
 
 
 def make_synthetic(size: int, seed: int, split: int, num_classes: int = 10) -> ImageSet:

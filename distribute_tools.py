@@ -155,16 +155,17 @@ def restart_count() -> int:
     return max(int(os.environ.get(name, "0") or 0) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
 
-def run_id() -> str:
-    """What names this run across restarts: torchrun's run id, SLURM's job id, or nothing."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
-
-
 def run_ids() -> dict[str, str]:
     """Every name this run has that survives a restart (torchrun's run id, SLURM's job id): a checkpoint
     carries them, so that a restart continues its own run's checkpoint and no other."""
     names = {"torchrun": "TORCHELASTIC_RUN_ID", "slurm": "SLURM_JOB_ID"}
     return {kind: os.environ[name] for kind, name in names.items() if os.environ.get(name)}
+
+
+def run_id() -> str:
+    """The one name the OUTPUT_DIR lock records: torchrun's run id, else SLURM's job id, else nothing."""
+    ids = run_ids()
+    return ids.get("torchrun") or ids.get("slurm") or ""
 
 
 def gpu_count() -> int:
@@ -474,11 +475,16 @@ def _tell_torchrun(error: BaseException) -> None:
         with open(path, "w") as f:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
     if isinstance(error, UserError) and os.environ.get("LOCAL_RANK") == "0":
-        os.kill(os.getppid(), signal.SIGTERM)
+        _stop_torchrun()
 
 
 def _torchrun_is_parent() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _stop_torchrun() -> None:
+    """SIGTERM to torchrun: it stops every worker and exits, where a worker's non-zero exit restarts them."""
+    os.kill(os.getppid(), signal.SIGTERM)
 
 
 def _exit_code(error: BaseException) -> int:
@@ -507,7 +513,7 @@ def _stop_on_signals() -> None:
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         if signum == signal.SIGUSR1 and _torchrun_is_parent():
-            os.kill(os.getppid(), signal.SIGTERM)
+            _stop_torchrun()
         raise Stopped(signal.Signals(signum).name)
 
     for sig in (signal.SIGINT, *STOP_SIGNALS):

@@ -13,19 +13,19 @@ What the default recipe does, and what each part measured (machine and command; 
   - the data set on the device as uint8; batches cut by indexing; crops, flips and normalisation
     batched there: 2.03-2.14x the seed's DataLoader pipeline in bf16 on a 2-core CPU with AVX512-bf16
     (an earlier version of this file); on a 2-core AVX2 CPU both sit at the fp32 compute ceiling,
-    24 against 24 images/s, 1.11x the one-process ceiling (python -m benchmarks.throughput)
+    21 against 21 images/s, 1.00x the one-process ceiling (python -m benchmarks.throughput)
   - bf16 autocast where bf16 is native: 1.97x fp32 (AVX512-bf16 CPU, width 64); fp32 elsewhere,
     where bf16 is emulated and slower (1.4 against 23 images/s, AVX2 CPU)
-  - channels_last: 1.17x the contiguous layout at width 16 on the AVX2 CPU (compute ceiling, 364 against
-    311 images/s: python -m benchmarks.throughput --width 16 --batch_size 256 --skip_seed --steps 10),
-    equal at width 64; contiguous below width 8 on CPUs, where torch 2.14 crashes with it
+  - channels_last: 1.17x the contiguous layout on the AVX2 CPU (compute ceiling: 364 against 311
+    images/s at width 16, python -m benchmarks.throughput --width 16 --batch_size 256 --skip_seed
+    --steps 10; 21 against 18 at width 64); contiguous below width 8 on CPUs, where torch 2.14 crashes
   - a ReLU after each residual sum (the seed has none): holdout accuracy 0.7830 -> 0.8162, and flip
     test-time augmentation 0.8052 -> 0.8162 on the same weights (width 16, 5 epochs, 2 CPU ranks:
     python train_distribute.py --dataset imagefolder --data_dir DIR --width 16 --epochs 5)
   - Nesterov SGD, one-cycle LR (20% warm-up) with LR 0.4 per 512 images, label smoothing 0.2, weight
     decay 5e-4: the fast CIFAR-10 trainers' recipe; LR 0.2/0.4/0.8 within a point on the check above
   - files written on a background thread: the time between two epochs' clocks 1.09x -> 1.00x the
-    epoch itself, 7.4 s less wall clock (width 8, 8 epochs, 2 AVX2 CPU ranks:
+    epoch itself, 5.3 s less wall clock (width 8, 8 epochs, 2 AVX2 CPU ranks:
     python -m benchmarks.writer_stall)
 """
 
