@@ -138,7 +138,13 @@ def run_distribute(worker: Callable[..., None], world_size: int, *args: Any) -> 
     Under torchrun this process is one rank: run the worker here. Otherwise spawn `world_size`
     processes; if any of them fails, the others are stopped and the run ends non-zero."""
     if under_torchrun():
-        return _worker_entry(int(os.environ["RANK"]), worker, world_size, args, None)
+        code = _worker_entry(int(os.environ["RANK"]), worker, world_size, args, None)
+        # Leave without the interpreter's teardown: destroying the client of torchrun's store there
+        # can abort a rank that has finished ("terminate called without an active exception"), and
+        # torchrun would report a failed run whose files are all written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return _spawn_with_free_port(worker, world_size, args)
 
 
