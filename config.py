@@ -1,15 +1,15 @@
-"""The settings of a run: read from the constants block of train_distribute.py, overridden on the command line.
+"""The settings of a run: read from the block at the top of train_distribute.py, overridden on the command line.
 
 The block is the one place where a setting is written. Each line there has the form
 
     NAME: type = value  # what it does
 
-with type int, float, bool, str or Literal["a", "b"] (a choice). This module reads that block
-from the script's source (names, types, values and comments, in order; comment lines above a
-group of settings become its heading), and derives from it:
+with type int, float, bool, str or Literal["a", "b"] (a choice). This module reads the block from the
+script's source (names, types, values and comments, in order; comment lines above a group of settings
+become its heading) and derives from it:
     the command line     `--name value` or `--name=value`, `--help` listing every setting
-    the checks           a value of the wrong type, in the file or on the command line, is one line
-    the resume check     a resumed run must share every setting except those in FREE_ON_RESUME
+    the checks           a value of the wrong type or out of range, in the file or on the command line, is one line
+    the resume rule      a resumed run must share every setting except those in FREE_ON_RESUME
 """
 
 import argparse
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from distribute_tools import UserError
+from processes import UserError
 
-# Settings that may differ between a run and its resumption: where files are, how the run is launched
-# and on what hardware, and how it evaluates or reports. Every other setting shapes the run itself, so a
-# new setting is checked on resume unless it is added here.
+# Settings that may differ between a run and its resumption: where files are, how the run is launched and on
+# what hardware, how it evaluates or reports. Every other setting shapes the run, so a new setting is checked
+# on resume unless it is added here.
 FREE_ON_RESUME = (
     "DATA_DIR",
     "OUTPUT_DIR",
@@ -41,12 +41,12 @@ FREE_ON_RESUME = (
     "COLLECTIVE_TIMEOUT",
     "PROGRESS_EVERY",
 )
-
-# Allowed ranges: (lowest, highest), None where open.
+# Allowed ranges, (lowest, highest) with None where open; text settings must not be empty.
 LIMITS = {
     "EPOCHS": (1, None),
     "BATCH_SIZE": (1, None),
     "WIDTH": (1, None),
+    "IMAGE_SIZE": (8, None),
     "SYNTHETIC_SIZE": (1, None),
     "ACCUMULATE": (1, None),
     "COLLECTIVE_TIMEOUT": (1, None),
@@ -56,6 +56,10 @@ LIMITS = {
     "MOMENTUM": (0, 0.999),
     "WEIGHT_DECAY": (0, 1),
 }
+DESCRIPTION = (
+    "Train a ResNet with DistributedDataParallel. Every setting is a constant at the top of train_distribute.py; "
+    "--name value overrides it for one run. Under torchrun: torchrun [its options] train_distribute.py [settings]."
+)
 KIND_NAMES = {int: "an integer", float: "a number", bool: "True or False", str: "text"}
 TRUE, FALSE = ("true", "1"), ("false", "0")
 
@@ -74,6 +78,23 @@ class Setting:
         return f"--{self.name.lower()}"
 
 
+def read_config(script: str, argv: list[str]) -> SimpleNamespace:
+    """The settings of `script` with the command line's overrides applied, each checked: one line per mistake."""
+    settings = read_settings(script)
+    values, unknown = _parser(settings).parse_known_args(argv)
+    if unknown:
+        raise UserError(_unknown_argument(unknown[0], settings))
+    for s in settings:
+        value = getattr(values, s.name)
+        if isinstance(value, str) and s.kind is not str:
+            value = _parse(s, value)
+        _check_type(s, value, where=f"{s.option}={value}")
+        setattr(values, s.name, value)
+    cfg = SimpleNamespace(**vars(values))
+    _check_limits(cfg, settings)
+    return cfg
+
+
 # ----------------------------------------------------------------------------- the block in the source
 
 
@@ -81,23 +102,26 @@ def read_settings(script: str) -> list[Setting]:
     """Every `NAME: type = value  # comment` line at the top level of `script`, in order."""
     with open(script, encoding="utf-8") as f:
         source = f.read()
-    comments = _comments_by_line(source)
-    lines = source.splitlines()
-    body = ast.parse(source).body
+    comments, lines, body = _comments_by_line(source), source.splitlines(), ast.parse(source).body
     annotated = [
-        node
-        for node in body
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id.isupper()
+        n for n in body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id.isupper()
     ]
     settings: list[Setting] = []
     for node in body:
         if node in annotated:
-            settings.append(_setting(node, comments, lines, settings[-1].group if settings else ("settings", "")))
+            setting = _setting(node, comments, lines, settings[-1].group if settings else ("settings", ""))  # type: ignore[arg-type]
+            twice = next((s for s in settings if s.name == setting.name), None)
+            if twice:
+                raise UserError(
+                    f"{setting.name} is written twice in the settings block of {script} (line "
+                    f"{node.lineno} and an earlier one); keep one"
+                )
+            settings.append(setting)
         elif annotated and annotated[0].lineno < node.lineno < annotated[-1].lineno and _assigns_upper_name(node):
             name = node.targets[0].id  # type: ignore[attr-defined]
             raise UserError(
-                f"{name} at line {node.lineno} of {script} has lost its type; write it as "
-                f"{name}: int = ... (or float, bool, str) like the settings around it"
+                f"{name} at line {node.lineno} of {script} has lost its type; write it as {name}: int = ... "
+                f"(or float, bool, str) like the settings around it"
             )
     return settings
 
@@ -109,11 +133,10 @@ def _setting(node: ast.AnnAssign, comments: dict[int, str], lines: list[str], gr
         default = ast.literal_eval(node.value) if node.value is not None else None
     except ValueError:
         raise UserError(
-            f"{name} at line {node.lineno} of train_distribute.py must be a plain value "
-            f"(a number, True/False or text in quotes)"
+            f"{name} at line {node.lineno} of train_distribute.py must be a plain value (a number, True/False or "
+            f"text in quotes)"
         ) from None
-    heading = []
-    line = node.lineno - 1  # lines are 1-based: lines[line - 1] is the one above
+    heading, line = [], node.lineno - 1  # lines are 1-based: lines[line - 1] is the one above
     while line >= 1 and lines[line - 1].lstrip().startswith("#"):
         text = lines[line - 1].strip().lstrip("#").strip()
         if not text.startswith("---"):  # a banner line above the block is not a heading
@@ -145,15 +168,16 @@ def _comments_by_line(source: str) -> dict[int, str]:
 
 
 def _assigns_upper_name(node: ast.stmt) -> bool:
+    targets = getattr(node, "targets", [])
     return (
         isinstance(node, ast.Assign)
-        and len(node.targets) == 1
-        and isinstance(node.targets[0], ast.Name)
-        and node.targets[0].id.isupper()
+        and len(targets) == 1
+        and isinstance(targets[0], ast.Name)
+        and targets[0].id.isupper()
     )
 
 
-# ----------------------------------------------------------------------------- types and values
+# ----------------------------------------------------------------------------- types, values, ranges
 
 
 def _check_type(setting: Setting, value: Any, where: str) -> None:
@@ -162,20 +186,16 @@ def _check_type(setting: Setting, value: Any, where: str) -> None:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         fits = True
     if not fits:
-        raise UserError(
-            f"{where} is not {KIND_NAMES[kind]}; write e.g. {setting.name}: {kind.__name__} = {_example(setting)}"
-        )
+        example = repr(setting.default) if isinstance(setting.default, kind) else _EXAMPLES[kind]
+        raise UserError(f"{where} is not {KIND_NAMES[kind]}; write e.g. {setting.name}: {kind.__name__} = {example}")
     if setting.choices and value not in setting.choices:
         raise UserError(f"{setting.name}={value!r} is unknown; use one of {', '.join(setting.choices)}")
 
 
-def _example(setting: Setting) -> str:
-    if isinstance(setting.default, setting.kind):
-        return repr(setting.default)
-    return {int: "1", float: "0.1", bool: "True", str: '"text"'}[setting.kind]
+_EXAMPLES = {int: "1", float: "0.1", bool: "True", str: '"text"'}
 
 
-def parse_value(setting: Setting, text: str) -> Any:
+def _parse(setting: Setting, text: str) -> Any:
     """A command-line value of `setting`, converted to its type."""
     try:
         if setting.kind is bool:
@@ -192,81 +212,38 @@ def parse_value(setting: Setting, text: str) -> Any:
         ) from None
 
 
-# ----------------------------------------------------------------------------- the command line
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a mistake is one line naming the fix instead of usage text and exit 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(
-            f"{message}; write settings as --name value or --name=value (python train_distribute.py --help lists them)"
-        )
-
-
-def build_parser(settings: list[Setting], description: str) -> argparse.ArgumentParser:
-    parser = _OneLineParser(
-        prog="train_distribute.py",
-        description=description,
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    groups: dict[tuple[str, str], Any] = {}
+def _check_limits(cfg: SimpleNamespace, settings: list[Setting]) -> None:
+    """Every value inside its allowed range: one line naming the setting and a good value. A bad value written
+    in the file itself is named as such, with an example that is inside the range."""
     for s in settings:
-        if s.group not in groups:
-            groups[s.group] = parser.add_argument_group(s.group[0], s.group[1] or None)
-        metavar = (
-            "{" + ",".join(s.choices) + "}" if s.choices else {int: "N", float: "X", bool: "BOOL"}.get(s.kind, "TEXT")
-        )
-        help_text = f"{s.help} (default: {s.default})".replace("%", "%%")
-        options: dict[str, Any] = {"nargs": "?", "const": "True"} if s.kind is bool else {}
-        groups[s.group].add_argument(
-            s.option, dest=s.name, default=s.default, metavar=metavar, help=help_text, **options
-        )
-    return parser
-
-
-def read_config(settings: list[Setting], argv: list[str], description: str = "") -> SimpleNamespace:
-    """The settings' values with the command line's applied, each checked against its type."""
-    parser = build_parser(settings, description)
-    values, unknown = parser.parse_known_args(argv)
-    if unknown:
-        raise UserError(_unknown_argument(unknown[0], settings))
-    for s in settings:
-        value = getattr(values, s.name)
-        if isinstance(value, str) and s.kind is not str:
-            value = parse_value(s, value)
-        _check_type(s, value, where=f"{s.option}={value}")
-        setattr(values, s.name, value)
-    return SimpleNamespace(**vars(values))
-
-
-def _unknown_argument(argument: str, settings: list[Setting]) -> str:
-    if not argument.startswith("--"):
-        return f"cannot read argument {argument!r}; write settings as --name value or --name=value, e.g. --epochs 5"
-    name = argument[2:].partition("=")[0]
-    close = difflib.get_close_matches(name.lower(), [s.name.lower() for s in settings], n=1)
-    hint = f"did you mean --{close[0]}? " if close else ""
-    return f"unknown setting --{name}; {hint}python train_distribute.py --help lists the settings"
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-def check_limits(cfg: SimpleNamespace, settings: list[Setting]) -> None:
-    """Every value inside its allowed range; one line naming the setting and a good value otherwise."""
-    defaults = {s.name: s.default for s in settings}
-    for name, (low, high) in LIMITS.items():
-        value = getattr(cfg, name)
-        if high is None and value < low:
-            problem = "must be positive" if low == 1 else f"must be at least {low}"
-        elif high is not None and not low <= value <= high:
-            problem = f"is outside {low}..{high}"
+        value, (low, high) = getattr(cfg, s.name), LIMITS.get(s.name, (None, None))
+        if s.kind is str and not value.strip() and not s.choices:
+            problem, good = "is empty", repr(s.default) if s.default.strip() else '"./output"'
+        elif s.name == "LR" and not value > 0:
+            problem, good = "must be a positive number", s.default if s.default > 0 else 0.1
+        elif low is not None and value < low or high is not None and value > high:
+            problem = f"is outside {low}..{high}" if high is not None else f"must be at least {low}"
+            problem = "must be positive" if (low, high) == (1, None) else problem
+            good = s.default if (low is None or s.default >= low) and (high is None or s.default <= high) else low
         else:
             continue
-        raise UserError(f"{name}={value} {problem}; e.g. --{name.lower()} {defaults[name]}")
-    if not cfg.LR > 0:
-        raise UserError(f"LR={cfg.LR} must be a positive number; e.g. --lr {defaults['LR']}")
+        if value == s.default:
+            raise UserError(
+                f"{s.name}: {s.kind.__name__} = {value!r} at the top of train_distribute.py {problem}; "
+                f"write e.g. {s.name}: {s.kind.__name__} = {good}"
+            )
+        raise UserError(f"{s.name}={value!r} {problem}; e.g. {s.option} {good}")
+
+
+def check_against_machine(cfg: SimpleNamespace, world_size: int, gpus: int) -> None:
+    """The settings that depend on the ranks and the hardware."""
+    if cfg.BATCH_SIZE % (world_size * cfg.ACCUMULATE):
+        raise UserError(
+            f"BATCH_SIZE={cfg.BATCH_SIZE} does not split evenly over {world_size} ranks x {cfg.ACCUMULATE} "
+            f"micro-batches; use a multiple of {world_size * cfg.ACCUMULATE}"
+        )
+    if cfg.SYNC_BN and not gpus:
+        raise UserError("SYNC_BN=True needs GPUs (torch's SyncBatchNorm runs on CUDA only); use --sync_bn False")
 
 
 def check_resume(saved: dict[str, Any], cfg: SimpleNamespace) -> None:
@@ -277,3 +254,39 @@ def check_resume(saved: dict[str, Any], cfg: SimpleNamespace) -> None:
                 f"RESUME=True but {name}={value!r} differs from the checkpoint's {saved.get(name)!r}; "
                 f"resume with --{name.lower()} {saved.get(name)}, or start a new run"
             )
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line naming the fix instead of usage text and exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message}; write settings as --name value or --name=value (--help lists them)")
+
+
+def _parser(settings: list[Setting]) -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="train_distribute.py", description=DESCRIPTION, allow_abbrev=False)
+    groups: dict[tuple[str, str], Any] = {}
+    for s in settings:
+        if s.group not in groups:
+            groups[s.group] = parser.add_argument_group(s.group[0], s.group[1] or None)
+        metavar = (
+            "{" + ",".join(s.choices) + "}" if s.choices else {int: "N", float: "X", bool: "BOOL"}.get(s.kind, "TEXT")
+        )
+        options: dict[str, Any] = {"nargs": "?", "const": "True"} if s.kind is bool else {}
+        help_text = f"{s.help} (default: {s.default})".replace("%", "%%")
+        groups[s.group].add_argument(
+            s.option, dest=s.name, default=s.default, metavar=metavar, help=help_text, **options
+        )
+    return parser
+
+
+def _unknown_argument(argument: str, settings: list[Setting]) -> str:
+    if not argument.startswith("--"):
+        return f"cannot read argument {argument!r}; write settings as --name value or --name=value, e.g. --epochs 5"
+    name = argument[2:].partition("=")[0]
+    close = difflib.get_close_matches(name.lower(), [s.name.lower() for s in settings], n=1)
+    hint = f"did you mean --{close[0]}? " if close else ""
+    return f"unknown setting --{name}; {hint}python train_distribute.py --help lists the settings"

@@ -1,10 +1,10 @@
 """Datasets as uint8 tensors, and a loader that shards, augments and batches them on the device.
 
-Every dataset becomes two `ImageSet`s (train, test) of uint8 images, read once. An image folder
-is decoded once per machine (every image checked on the way) into a cache file that later runs
-and the other ranks load in a fraction of a second. `DeviceLoader` keeps a set on the training
-device and per epoch gives this rank its shard of one shared permutation, cut into batches by
-indexing, cropped, flipped and normalised on the device: no per-image Python work while training.
+Every dataset becomes two `ImageSet`s (train, test) of IMAGE_SIZE x IMAGE_SIZE uint8 images, read once. An
+image folder is decoded once per machine (every image checked, resized to the square if it is not) into a cache
+file that later runs and the other ranks load in a fraction of a second, with its channel statistics.
+`DeviceLoader` keeps a set on the training device and per epoch gives this rank its shard of one shared
+permutation, cut into batches by indexing, cropped, flipped and normalised there: no per-image Python work.
 """
 
 import hashlib
@@ -12,34 +12,35 @@ import multiprocessing
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from distribute_tools import UserError, cpu_cores, file_lock
-from outputs import write_atomically
+import outputs
+from distribute_tools import DistInfo, all_ranks_try, cpu_cores, under_torchrun
+from processes import UserError, first_line
 
-IMAGE_SIZE = 32
-Listing = tuple[list[str], list[tuple[str, int]]]  # an image folder's classes, and (path, label) of each image
-CROP_PAD = 4  # random crops shift images by up to this many pixels (reflect padding)
-# CIFAR-10's per-channel mean and standard deviation, in 0..1 pixel units.
-MEAN = (0.4914, 0.4822, 0.4465)
-STD = (0.2470, 0.2435, 0.2616)
-CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
-CIFAR_TRAIN_IMAGES = 50_000
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's published, 0..1 units
+CIFAR_ARCHIVE, CIFAR_SIZES = "cifar-10-python.tar.gz", (50_000, 10_000, 10)  # train images, test images, classes
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-CACHE_FORMAT = 1  # bump when the cache's content changes meaning
+CACHE_FORMAT = 2  # bump when the cache's content changes meaning
 DECODE_CHUNK = 2_000  # images per decoding task
 
 
 @dataclass
 class ImageSet:
-    images: torch.Tensor  # uint8, (N, 3, 32, 32)
+    images: torch.Tensor  # uint8, (N, 3, size, size)
     labels: torch.Tensor  # int64, (N,)
     classes: list[str]
+    mean: tuple[float, ...] = CIFAR_MEAN  # per-channel statistics the loader normalises with, 0..1 units
+    std: tuple[float, ...] = CIFAR_STD
+    resized: int = 0  # images that had another size and were resized to the square
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -52,23 +53,72 @@ class ImageSet:
         return int(((per_image + 7919 * self.labels) * position).sum())
 
 
+def identity(train: ImageSet, test: ImageSet) -> str:
+    """What tells one data set from another: a resume on other data is refused with it."""
+    size, checksum = train.images.shape[-1], train.checksum() ^ test.checksum()
+    return f"{len(train):,} train and {len(test):,} test images of {size}x{size}, checksum {checksum:x}"
+
+
+def record(train: ImageSet, test: ImageSet) -> dict[str, Any]:
+    """What a checkpoint records of the data: its identity, and what an evaluation of the weights needs."""
+    return {
+        "identity": identity(train, test),
+        "classes": train.classes,
+        "mean": train.mean,
+        "std": train.std,
+        "image_size": train.images.shape[-1],
+        "resized": train.resized + test.resized,
+    }
+
+
 # ----------------------------------------------------------------------------- before training
 
 
-def prepare(dataset: str, data_dir: str, synthetic_size: int) -> int:
-    """What one process per machine does before any rank loads the data: download CIFAR-10, or decode
-    and check an image folder into its cache. Returns the number of training images; raises UserError
-    naming the file or folder at fault."""
-    if dataset == "synthetic":
-        return synthetic_size
-    if dataset == "cifar10":
-        download_cifar10(data_dir)
-        return CIFAR_TRAIN_IMAGES
-    listings = [list_image_folder(os.path.join(data_dir, split)) for split in ("train", "test")]
-    check_same_classes(data_dir, listings[0][0], listings[1][0])  # before seconds of decoding
-    for split, listing in zip(("train", "test"), listings, strict=True):
-        ensure_decoded(os.path.join(data_dir, split), listing)
-    return len(listings[0][1])
+def sizes(cfg: SimpleNamespace) -> tuple[int, int, int]:
+    """Training images, test images and classes, without reading any image."""
+    if cfg.DATASET == "synthetic":
+        return cfg.SYNTHETIC_SIZE, max(cfg.SYNTHETIC_SIZE // 5, 1), 10
+    if cfg.DATASET == "cifar10":
+        if cfg.IMAGE_SIZE != 32:
+            raise UserError(f"IMAGE_SIZE={cfg.IMAGE_SIZE} but CIFAR-10's images are 32x32; use --image_size 32")
+        return CIFAR_SIZES
+    (classes, train), (test_classes, test) = (
+        list_image_folder(os.path.join(cfg.DATA_DIR, s)) for s in ("train", "test")
+    )
+    check_same_classes(cfg.DATA_DIR, classes, test_classes)
+    return len(train), len(test), len(classes)
+
+
+def prepare(cfg: SimpleNamespace) -> None:
+    """What one process per machine does before any rank loads the data: download CIFAR-10, or decode and
+    check an image folder into its cache. Raises UserError naming the file or folder at fault."""
+    if cfg.DATASET == "cifar10":
+        download_cifar10(cfg.DATA_DIR)
+    elif cfg.DATASET == "imagefolder":
+        for split in ("train", "test"):  # sizes() has checked the folders and their classes
+            ensure_decoded(os.path.join(cfg.DATA_DIR, split), cfg.IMAGE_SIZE)
+
+
+def check_sizes(cfg: SimpleNamespace, make_model: Callable[[int], torch.nn.Module], ranks: int) -> None:
+    """Before anything starts: at least one global batch of training images, and data and model that fit in
+    this machine's memory. Per rank: the uint8 set and its copy on the device (generated images pass through
+    float32 noise first), the weights with their gradients, momentum and the two copies a checkpoint makes."""
+    train_images, test_images, classes = sizes(cfg)
+    if train_images < cfg.BATCH_SIZE:
+        raise UserError(
+            f"the training set has {train_images} images, fewer than one global batch (BATCH_SIZE={cfg.BATCH_SIZE}); "
+            f"lower --batch_size"
+        )
+    with torch.device("meta"):  # counts the parameters without allocating them
+        parameters = sum(p.numel() for p in make_model(classes).parameters())
+    data_bytes = (train_images + test_images) * 3 * cfg.IMAGE_SIZE**2 * (10 if cfg.DATASET == "synthetic" else 2)
+    needed, here = ranks * (data_bytes + 20 * parameters), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > here:
+        raise UserError(
+            f"this run needs about {needed / 2**30:,.0f} GB of memory ({ranks} rank(s) x {data_bytes / 2**30:,.1f} GB "
+            f"of images and {20 * parameters / 2**30:,.1f} GB for {parameters:,} parameters), more than this "
+            f"machine's {here / 2**30:,.0f} GB; lower --width, --image_size or the number of images"
+        )
 
 
 def download_cifar10(data_dir: str, timeout_s: float = 60.0) -> None:
@@ -77,24 +127,24 @@ def download_cifar10(data_dir: str, timeout_s: float = 60.0) -> None:
     from torchvision.datasets import CIFAR10
     from torchvision.datasets.utils import check_integrity
 
-    archive = os.path.join(data_dir, CIFAR_ARCHIVE)
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise UserError(f"DATA_DIR {data_dir} is a file; point --data_dir at a folder (CIFAR-10 is downloaded there)")
+    archive, previous = os.path.join(data_dir, CIFAR_ARCHIVE), socket.getdefaulttimeout()
     os.makedirs(data_dir, exist_ok=True)
-    previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(timeout_s)  # torchvision's download sets no timeout of its own
     try:
-        with file_lock(os.path.join(data_dir, ".cifar10.lock")):
+        with outputs.lock_file(os.path.join(data_dir, ".cifar10.lock")):
             if os.path.exists(archive) and not check_integrity(archive, CIFAR10.tgz_md5):
                 raise UserError(
-                    f"{archive} is corrupt (its checksum is wrong); delete it and rerun to download "
-                    f"it again, or copy a good copy there"
+                    f"{archive} is corrupt (its checksum is wrong); delete it and rerun to download it again, "
+                    f"or copy a good copy there"
                 )
             CIFAR10(data_dir, train=True, download=True)
     except UserError:
         raise
     except Exception as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise UserError(
-            f"could not download CIFAR-10 into {data_dir} ({reason}); on an offline machine copy "
+            f"could not download CIFAR-10 into {data_dir} ({first_line(e)}); on an offline machine copy "
             f"{CIFAR_ARCHIVE} into {data_dir}/ by hand and rerun, or use --dataset imagefolder"
         ) from None
     finally:
@@ -105,32 +155,52 @@ def check_same_classes(data_dir: str, train: list[str], test: list[str]) -> None
     if train != test:
         only_train, only_test = sorted(set(train) - set(test)), sorted(set(test) - set(train))
         parts = [
-            f"only in train/: {', '.join(only_train)}" if only_train else "",
-            f"only in test/: {', '.join(only_test)}" if only_test else "",
+            f"only in train/: {', '.join(only_train)}" * bool(only_train),
+            f"only in test/: {', '.join(only_test)}" * bool(only_test),
         ]
         raise UserError(
-            f"{data_dir}/train and {data_dir}/test hold different class folders "
-            f"({'; '.join(p for p in parts if p)}); give both the same class folders"
+            f"{data_dir}/train and {data_dir}/test hold different class folders ({'; '.join(p for p in parts if p)}); "
+            f"give both the same class folders"
         )
 
 
 # ----------------------------------------------------------------------------- readers
 
 
-def load_dataset(dataset: str, data_dir: str, synthetic_size: int, seed: int) -> tuple[ImageSet, ImageSet]:
-    """(train, test) as uint8 tensors on the CPU. Call prepare() first, once per machine."""
-    if dataset == "cifar10":
-        return read_cifar10(data_dir, train=True), read_cifar10(data_dir, train=False)
-    if dataset == "imagefolder":
-        train, test = (cached_image_folder(os.path.join(data_dir, split)) for split in ("train", "test"))
-        check_same_classes(data_dir, train.classes, test.classes)
+def load(cfg: SimpleNamespace, dist_info: DistInfo) -> tuple[ImageSet, ImageSet]:
+    """This rank's (train, test) sets on the CPU. Under torchrun, where no launcher prepared the data, local
+    rank 0 of each machine prepares it first. Every rank must hold the same images (a machine with another
+    copy of DATA_DIR would hang or train on other data): their identities meet once."""
+    if under_torchrun():
+        all_ranks_try(lambda: prepare(cfg) if dist_info.local_rank == 0 else None)
+    train, test = read(cfg)
+    everyone: list[Any] = [None] * dist_info.world_size
+    dist.all_gather_object(everyone, identity(train, test))
+    others = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if others:
+        raise UserError(
+            f"rank(s) {', '.join(map(str, others))} loaded other data than rank 0 ({everyone[others[0]]}, against "
+            f"{everyone[0]}); give every machine the same copy of DATA_DIR"
+        )
+    return train, test
+
+
+def read(cfg: SimpleNamespace) -> tuple[ImageSet, ImageSet]:
+    """(train, test) of DATASET, prepared before; the test set is normalised with the training set's statistics."""
+    if cfg.DATASET == "cifar10":
+        return read_cifar10(cfg.DATA_DIR, train=True), read_cifar10(cfg.DATA_DIR, train=False)
+    if cfg.DATASET == "imagefolder":
+        train, test = (cached_image_folder(os.path.join(cfg.DATA_DIR, s), cfg.IMAGE_SIZE) for s in ("train", "test"))
+        test.mean, test.std = train.mean, train.std
         return train, test
-    return make_synthetic(synthetic_size, seed, split=0), make_synthetic(max(synthetic_size // 5, 1), seed, split=1)
+    train = make_synthetic(cfg.SYNTHETIC_SIZE, cfg.SEED, split=0, image_size=cfg.IMAGE_SIZE)
+    test = make_synthetic(max(cfg.SYNTHETIC_SIZE // 5, 1), cfg.SEED, split=1, image_size=cfg.IMAGE_SIZE, like=train)
+    return train, test
 
 
 def read_cifar10(data_dir: str, train: bool) -> ImageSet:
-    """CIFAR-10's python batches, read directly (torchvision, a second or more to import in every rank,
-    is only needed to download them)."""
+    """CIFAR-10's python batches, read directly (torchvision, seconds to import in every rank, is only needed
+    to download them)."""
     import pickle
 
     folder = os.path.join(data_dir, "cifar-10-batches-py")
@@ -144,19 +214,23 @@ def read_cifar10(data_dir: str, train: bool) -> ImageSet:
             classes = pickle.load(f, encoding="latin1")["label_names"]
     except (OSError, pickle.UnpicklingError, EOFError, KeyError):
         raise UserError(
-            f"CIFAR-10 is missing or corrupt in {data_dir}; delete it there and rerun to download "
-            f"it again, or copy {CIFAR_ARCHIVE} into {data_dir}/ by hand"
+            f"CIFAR-10 is missing or corrupt in {data_dir}; delete it there and rerun to download it again, or "
+            f"copy {CIFAR_ARCHIVE} into {data_dir}/ by hand"
         ) from None
-    pixels = torch.cat([torch.as_tensor(batch["data"]) for batch in batches]).view(-1, 3, IMAGE_SIZE, IMAGE_SIZE)
+    pixels = torch.cat([torch.as_tensor(batch["data"]) for batch in batches]).view(-1, 3, 32, 32)
     labels = torch.tensor([label for batch in batches for label in batch["labels"]], dtype=torch.int64)
     return ImageSet(pixels.contiguous(), labels, list(classes))
 
 
-def list_image_folder(root: str) -> Listing:
-    """Class names (sorted sub-folder names; hidden folders such as .ipynb_checkpoints are skipped) and
-    (path, label) of every image file. Raises UserError for a missing folder or an empty class."""
+def list_image_folder(root: str) -> tuple[list[str], list[tuple[str, int]]]:
+    """Class names (sorted sub-folder names; hidden folders such as .ipynb_checkpoints are skipped) and (path,
+    label) of every image file. Raises UserError for a missing folder, an empty class or a broken link."""
+    parent = os.path.dirname(root)
     if not os.path.isdir(root):
-        parent = os.path.dirname(root)
+        if os.path.isfile(parent):
+            raise UserError(
+                f"DATA_DIR {parent} is a file, not a folder; point --data_dir at a folder with train/ and test/"
+            )
         if not os.path.isdir(parent):
             raise UserError(
                 f"DATA_DIR {parent} does not exist; point --data_dir at a folder with train/ and test/ inside"
@@ -173,55 +247,65 @@ def list_image_folder(root: str) -> Listing:
         files = sorted(f for f in os.listdir(os.path.join(root, name)) if f.lower().endswith(IMAGE_EXTENSIONS))
         if not files:
             raise UserError(
-                f"{os.path.join(root, name)} holds no images ({', '.join(IMAGE_EXTENSIONS[:3])}, ...); "
-                f"put the class's images in it or remove the folder"
+                f"{os.path.join(root, name)} holds no images ({', '.join(IMAGE_EXTENSIONS[:3])}, ...); put the "
+                f"class's images in it or remove the folder"
             )
         samples += [(os.path.join(root, name, f), label) for f in files]
+    broken = [path for path, _ in samples if not os.path.exists(path)]
+    if broken:
+        raise UserError(
+            f"{len(broken)} file(s) in {root} are links to files that do not exist: {', '.join(broken[:3])}"
+            f"{' and more' if len(broken) > 3 else ''}; delete or replace them and rerun"
+        )
     return classes, samples
 
 
-def ensure_decoded(root: str, listing: Listing | None = None) -> tuple[str, list[str], int]:
-    """Decode the image folder `root` into its cache file unless one for its current files exists;
-    returns that file, the classes and the number of images. The cache is keyed by every file's path,
-    size and modification time; the first process decodes (under a file lock, so that the other ranks
-    and machines sharing the folder wait instead of decoding too). `listing`: list_image_folder(root), if
-    the caller has it already."""
+def ensure_decoded(root: str, size: int, listing: tuple[list[str], list[tuple[str, int]]] | None = None) -> str:
+    """Decode the image folder `root` into its cache file unless one for its current files exists; returns that
+    file. The cache is keyed by the image size and every file's path, size and modification time; the first
+    process decodes (under a file lock: the other ranks and machines sharing the folder wait instead)."""
     classes, samples = listing or list_image_folder(root)
-    path = _cache_path(root, _cache_key(root, classes, samples))
-    with file_lock(os.path.join(os.path.dirname(path), f"{os.path.basename(root)}.lock")):
+    path = _cache_path(root, _cache_key(root, size, classes, samples))
+    with outputs.lock_file(os.path.join(os.path.dirname(path), f"{os.path.basename(root)}.lock")):
         if not os.path.exists(path):  # written by a rename: if it is there, it is whole
-            images = decode_images([p for p, _ in samples], root)
+            images, resized = decode_images([p for p, _ in samples], root, size)
+            mean, std = channel_statistics(images)
             labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
-            _write_cache(path, {"images": images, "labels": labels, "classes": classes})
-    return path, classes, len(samples)
+            _write_cache(
+                path,
+                {"images": images, "labels": labels, "classes": classes, "resized": resized, "mean": mean, "std": std},
+            )
+    return path
 
 
-def cached_image_folder(root: str) -> ImageSet:
+def cached_image_folder(root: str, size: int) -> ImageSet:
     """The image folder `root`, decoded (once per machine; afterwards loaded in a fraction of a second)."""
-    path, _, _ = ensure_decoded(root)
+    path = ensure_decoded(root, size)
     try:
         cached = torch.load(path, weights_only=True)
     except (OSError, RuntimeError) as e:
         raise UserError(f"the decoded copy {path} cannot be read ({type(e).__name__}); delete it and rerun") from None
-    return ImageSet(cached["images"], cached["labels"], cached["classes"])
+    return ImageSet(
+        cached["images"], cached["labels"], cached["classes"], cached["mean"], cached["std"], cached["resized"]
+    )
 
 
-def decode_images(paths: list[str], root: str) -> torch.Tensor:
-    """Every image as 3x32x32 uint8 (others resized), decoded in chunks on all cores. Every file is
-    checked: unreadable ones are named in one UserError (a data set is refused rather than silently
-    shrunk, and the user learns which files to replace)."""
-    chunks = [paths[start : start + DECODE_CHUNK] for start in range(0, len(paths), DECODE_CHUNK)]
+def decode_images(paths: list[str], root: str, size: int) -> tuple[torch.Tensor, int]:
+    """Every image as 3 x size x size uint8 (others stretched to the square, antialiased), decoded in chunks on
+    all cores, and how many were resized. Every file is checked: unreadable ones are named in one UserError (a
+    data set is refused rather than silently shrunk, and the user learns which files to replace)."""
+    chunks = [(paths[start : start + DECODE_CHUNK], size) for start in range(0, len(paths), DECODE_CHUNK)]
     with _decoding_pool(len(chunks)) as pool:
         decoded = list(pool.map(_decode_chunk, chunks))
-    images = torch.frombuffer(bytearray(b"".join(pixels for pixels, _ in decoded)), dtype=torch.uint8)
-    problems = [problem for _, chunk_problems in decoded for problem in chunk_problems]
+    problems = [problem for _, chunk_problems, _ in decoded for problem in chunk_problems]
     if problems:
         named = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise UserError(
-            f"{len(problems)} of {len(paths)} images in {root} cannot be read: {named}; delete or "
-            f"replace {'it' if len(problems) == 1 else 'them'} and rerun"
+            f"{len(problems)} of {len(paths)} images in {root} cannot be read: {named}; delete or replace "
+            f"{'it' if len(problems) == 1 else 'them'} and rerun"
         )
-    return images.view(len(paths), 3, IMAGE_SIZE, IMAGE_SIZE)
+    images = torch.frombuffer(bytearray(b"".join(pixels for pixels, _, _ in decoded)), dtype=torch.uint8)
+    return images.view(len(paths), 3, size, size), sum(resized for _, _, resized in decoded)
 
 
 def _decoding_pool(chunks: int) -> Executor:
@@ -232,28 +316,41 @@ def _decoding_pool(chunks: int) -> Executor:
     return ThreadPoolExecutor(1)
 
 
-def _decode_chunk(paths: list[str]) -> tuple[bytes, list[str]]:
-    """Pixels of each image, channels first, as bytes; and "path (reason)" for each unreadable one."""
+def _decode_chunk(job: tuple[list[str], int]) -> tuple[bytes, list[str], int]:
+    """Pixels of each image, channels first, as bytes; "path (reason)" for each unreadable one; how many
+    were resized."""
     import numpy as np
     from PIL import Image
 
-    pixels, problems = [], []
+    paths, size = job
+    pixels, problems, resized = [], [], 0
     for path in paths:
         try:
             with Image.open(path) as image:
                 image = image.convert("RGB")
-                if image.size != (IMAGE_SIZE, IMAGE_SIZE):
-                    image = image.resize((IMAGE_SIZE, IMAGE_SIZE), Image.BILINEAR)
+                if image.size != (size, size):
+                    image, resized = image.resize((size, size), Image.BILINEAR), resized + 1  # antialiased
                 pixels.append(np.asarray(image).transpose(2, 0, 1).tobytes())
         except Exception as e:  # truncated, not an image, unsupported: the file is named, whatever the cause
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:80]
-            problems.append(f"{path} ({reason})")
-            pixels.append(bytes(3 * IMAGE_SIZE * IMAGE_SIZE))
-    return b"".join(pixels), problems
+            problems.append(f"{path} ({first_line(e, 80)})")
+            pixels.append(bytes(3 * size * size))
+    return b"".join(pixels), problems, resized
 
 
-def _cache_key(root: str, classes: list[str], samples: list[tuple[str, int]]) -> str:
-    digest = hashlib.sha256(f"{CACHE_FORMAT} {IMAGE_SIZE} {classes}".encode())
+def channel_statistics(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and standard deviation of uint8 images, in 0..1 units (in chunks: no float copy of it all)."""
+    sums = torch.zeros(2, 3, dtype=torch.float64)
+    for chunk in images.split(4096):
+        x = chunk.transpose(0, 1).reshape(3, -1).double() / 255
+        sums += torch.stack([x.sum(dim=1), (x * x).sum(dim=1)])
+    count = images.numel() / 3
+    mean = sums[0] / count
+    std = (sums[1] / count - mean**2).clamp(min=1e-12).sqrt()
+    return tuple(mean.tolist()), tuple(std.tolist())
+
+
+def _cache_key(root: str, size: int, classes: list[str], samples: list[tuple[str, int]]) -> str:
+    digest = hashlib.sha256(f"{CACHE_FORMAT} {size} {classes}".encode())
     for path, label in samples:
         stat = os.stat(path)
         digest.update(f"{os.path.relpath(path, root)} {label} {stat.st_size} {stat.st_mtime_ns}\n".encode())
@@ -269,32 +366,34 @@ def _cache_path(root: str, key: str) -> str:
             raise OSError
     except OSError:
         user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        where = hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:12]
-        folder = os.path.join(user_cache, "resnet-ddp", where)
+        folder = os.path.join(user_cache, "resnet-ddp", hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:12])
         os.makedirs(folder, exist_ok=True)
     return os.path.join(folder, f"{os.path.basename(root)}-{key}.pt")
 
 
 def _write_cache(path: str, content: dict) -> None:
-    """Atomically (a temporary name, then a rename), replacing the caches of earlier versions of the folder."""
-    split = os.path.basename(path).rsplit("-", 1)[0]
-    folder = os.path.dirname(path)
+    """Atomically, replacing the caches of earlier versions of the folder."""
+    split, folder = os.path.basename(path).rsplit("-", 1)[0], os.path.dirname(path)
     for name in os.listdir(folder):
         if name.startswith(f"{split}-") and name.endswith(".pt"):
             os.remove(os.path.join(folder, name))
-    write_atomically(path, lambda temporary: torch.save(content, temporary))
+    outputs.write_atomically(path, lambda temporary: torch.save(content, temporary))
 
 
-def make_synthetic(size: int, seed: int, split: int, num_classes: int = 10) -> ImageSet:
-    """CIFAR-shaped images that a network can learn: each class has its own smooth colour pattern
-    (smooth, so that crops and flips keep it recognisable), and every image adds strong noise."""
+def make_synthetic(
+    size: int, seed: int, split: int, num_classes: int = 10, image_size: int = 32, like: ImageSet | None = None
+) -> ImageSet:
+    """Images that a network can learn: each class has its own smooth colour pattern (smooth, so that crops and
+    flips keep it recognisable), and every image adds strong noise. `like`: the training set, whose statistics
+    the test set is normalised with."""
     patterns = torch.rand(num_classes, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
-    patterns = F.interpolate(patterns, size=IMAGE_SIZE, mode="bilinear", align_corners=False)
+    patterns = F.interpolate(patterns, size=image_size, mode="bilinear", align_corners=False)
     g = torch.Generator().manual_seed(seed * 1_000 + 1 + split)  # train and test: same classes, other images
     labels = torch.randint(num_classes, (size,), generator=g)
-    noise = torch.randn(size, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g)
+    noise = torch.randn(size, 3, image_size, image_size, generator=g)
     images = (255 * (0.25 + 0.5 * patterns[labels]) + 60 * noise).clamp(0, 255).to(torch.uint8)
-    return ImageSet(images, labels, [f"class_{c}" for c in range(num_classes)])
+    mean, std = (like.mean, like.std) if like else channel_statistics(images)
+    return ImageSet(images, labels, [f"class_{c}" for c in range(num_classes)], mean, std)
 
 
 # ----------------------------------------------------------------------------- sharding and augmentation
@@ -309,13 +408,12 @@ def seed_for(*parts: int) -> int:
 
 
 def shard_indices(n: int, world_size: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
-    """This rank's shard of the epoch: every rank draws the same permutation (from seed and epoch)
-    and takes every world_size-th entry of it. The shards are disjoint and equal-sized; the last
-    n % world_size entries of the permutation sit out this epoch. Striding (not slicing) makes step
-    s of every rank together use permutation[s*B:(s+1)*B]: the same global batches at any world size."""
+    """This rank's shard of the epoch: every rank draws the same permutation (from seed and epoch) and takes
+    every world_size-th entry of it. The shards are disjoint and equal-sized; the last n % world_size entries
+    of the permutation sit out this epoch. Striding (not slicing) makes step s of every rank together use
+    permutation[s*B:(s+1)*B]: the same global batches at any world size."""
     permutation = torch.randperm(n, generator=torch.Generator().manual_seed(seed_for(seed, epoch)))
-    usable = n - n % world_size
-    return permutation[rank:usable:world_size]
+    return permutation[rank : n - n % world_size : world_size]
 
 
 def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
@@ -325,8 +423,8 @@ def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def crop_and_flip(pixels: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
-    """Random crops of a reflect-padded image (shifts of up to `pad` pixels) and random horizontal
-    flips, drawn per image, done with one gather. pixels: uint8 (B, H, W, C); returns the same shape."""
+    """Random crops of a reflect-padded image (shifts of up to `pad` pixels) and random horizontal flips, drawn
+    per image, done with one gather. pixels: uint8 (B, H, W, C); returns the same shape."""
     batch, height, width, _ = pixels.shape
     device = pixels.device
     shifts = torch.randint(-pad, pad + 1, (2, batch, 1), generator=generator, device=device)
@@ -334,13 +432,12 @@ def crop_and_flip(pixels: torch.Tensor, pad: int, generator: torch.Generator) ->
     cols = _reflect(torch.arange(width, device=device) + shifts[1], width)
     flip = torch.rand(batch, 1, generator=generator, device=device) < 0.5
     cols = torch.where(flip, width - 1 - cols, cols)
-    image = torch.arange(batch, device=device)[:, None, None]
-    return pixels[image, rows[:, :, None], cols[:, None, :]]
+    return pixels[torch.arange(batch, device=device)[:, None, None], rows[:, :, None], cols[:, None, :]]
 
 
 class DeviceLoader:
-    """One split on the training device: per-epoch shards, batches by indexing, augmentation and
-    normalisation on the device. Batches come out as float32 in `memory_format`."""
+    """One split on the training device: per-epoch shards, batches by indexing, augmentation and normalisation
+    on the device. Batches come out as float32 in `memory_format`."""
 
     def __init__(
         self,
@@ -351,11 +448,10 @@ class DeviceLoader:
     ) -> None:
         self.pixels = data.images.permute(0, 2, 3, 1).contiguous().to(device)  # NHWC: a batch is one gather
         self.labels = data.labels.to(device)
-        self.device = device
-        self.augment = augment
-        self.memory_format = memory_format
-        self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255
+        self.device, self.augment, self.memory_format = device, augment, memory_format
+        self.crop_pad = max(1, round(data.images.shape[-1] / 8))  # 4 pixels at 32x32, 8 at 64x64
+        self.mean = torch.tensor(data.mean, device=device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(data.std, device=device).view(1, 3, 1, 1) * 255
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -375,7 +471,7 @@ class DeviceLoader:
             batch = indices[step * local_batch : (step + 1) * local_batch]
             pixels = self.pixels[batch]
             if self.augment:
-                pixels = crop_and_flip(pixels, CROP_PAD, generator)
+                pixels = crop_and_flip(pixels, self.crop_pad, generator)
             yield self.normalise(pixels), self.labels[batch]
 
     def eval_batches(

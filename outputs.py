@@ -1,36 +1,49 @@
-"""What a run leaves in OUTPUT_DIR and shows on the console. Only global rank 0 writes and prints;
-for a resume, each machine's local rank 0 reads the checkpoint its own OUTPUT_DIR holds.
+"""What a run leaves in OUTPUT_DIR and shows on the console; only global rank 0 writes and prints.
 
-Every file is written to a temporary name and then renamed over the old one, so a crash or
-`kill -9` at any moment leaves either the previous complete file or the new complete file.
-`ResultWriter` writes them on a background thread, so that training never waits for the disk.
+Every file is written to a temporary name and renamed over the old one, so a crash or `kill -9` at any
+moment leaves either the previous complete file or the new complete file. `ResultWriter` writes them on
+a background thread, so that training never waits for the disk.
 """
 
 import csv
+import errno
 import fcntl
 import math
 import os
+import resource
 import shutil
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import SimpleNamespace
 from typing import IO, Any
 
 import torch
 
-import config
-from distribute_tools import UserError, run_id
+from processes import UserError, first_line
 
-CSV_NAME = "pytorch_res.csv"
-PLOT_NAME = "pytorch_res.png"
-CHECKPOINT_NAME = "checkpoint.pt"
-LOCK_NAME = ".lock"
+CSV_NAME, PLOT_NAME, CHECKPOINT_NAME = "pytorch_res.csv", "pytorch_res.png", "checkpoint.pt"
 RESULT_FILES = (CSV_NAME, PLOT_NAME, CHECKPOINT_NAME)
+FEW_STEPS = 10  # fewer optimizer steps per epoch than this: the first line warns that the batch is large for the data
 PLOT_SHARE = 0.02  # the picture is redrawn at most this share of the time (it is the slowest file to write)
+
+# The per-epoch row: the CSV's columns in order, what each holds, and its part of the console line (None: CSV
+# only). Adding a column is one line here and its value where train() builds the row; rows saved before a
+# column existed get an empty cell.
+COLUMNS: dict[str, tuple[str, str | None]] = {
+    "epoch": ("the epoch, from 1", None),
+    "loss": ("mean training loss over every image of the epoch on all ranks, label smoothing included", "loss {:.4f}"),
+    "acc": ("test accuracy, 0..1, of the weights the checkpoint holds: every test image exactly once", "acc {:.4f}"),
+    "test_loss": ("mean test loss, plain cross-entropy", "test_loss {:.4f}"),
+    "train_acc": ("share of the epoch's (augmented) training images classified right", None),
+    "lr": ("learning rate at the epoch's last step", "lr {:.4g}"),
+    "epoch_seconds": ("this epoch's training steps and evaluation, nothing else", "{:.1f} s"),
+    "elapsed_seconds": ("wall clock from the launcher's start to this epoch's end (a resume adds its own)", None),
+    "images_per_second": ("training images of all ranks per second of training steps", "{:,.0f} img/s"),
+    "peak_memory_mb": ("peak memory of the largest rank: GPU memory allocated, or resident memory on CPU", None),
+    "write_wait_seconds": ("seconds training waited for the previous epoch's files (0 unless the disk is slow)", None),
+}
 
 
 # ----------------------------------------------------------------------------- the background writer
@@ -39,10 +52,10 @@ PLOT_SHARE = 0.02  # the picture is redrawn at most this share of the time (it i
 class ResultWriter:
     """Writes each epoch's checkpoint, CSV and picture on a background thread, in that order.
 
-    At most one epoch is pending: `wait()` blocks until the previous epoch's files are on disk,
-    so a `kill -9` loses no more than the epoch in flight. The caller hands over a snapshot on
-    the CPU (training goes on changing the model) and, on a GPU, an event that says when the
-    snapshot's copies are done. `close()` finishes everything, on every way out of a run."""
+    At most one epoch is pending: `wait()` blocks until the previous epoch's files are on disk, so a
+    `kill -9` loses no more than the epoch in flight. The caller hands over a snapshot on the CPU (training
+    goes on changing the model): on a GPU the copies are queued behind the epoch's kernels, and an event says
+    when they are done. `close()` finishes everything, on every way out of a run."""
 
     def __init__(self, output_dir: str) -> None:
         self.output_dir = output_dir
@@ -53,28 +66,27 @@ class ResultWriter:
         self.next_plot = 0.0  # time.monotonic() before which the picture is not redrawn
 
     def wait(self) -> float:
-        """Block until the files handed over last are on disk; the seconds waited. A failed write
-        raises UserError naming the file."""
+        """Block until the files handed over last are on disk; the seconds waited. Any failed write raises
+        UserError naming the file, the reason and the fix."""
         if self.pending is None:
             return 0.0
         started = time.perf_counter()
         try:
             self.pending.result()  # a signal here leaves it pending: close() still finishes it
-        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        except Exception as e:  # a full disk, a file-size limit, permissions, or a bug: one line on every rank
             self.pending = None
-            where = getattr(e, "filename", None) or f"the files in {self.output_dir}"
-            reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-            raise UserError(
-                f"could not write {where} ({reason}); free space or choose another --output_dir, then "
-                f"resume with --resume True"
-            ) from None
+            raise UserError(write_failure(e, self.output_dir)) from None
         self.pending = None
         return time.perf_counter() - started
 
-    def submit(self, snapshot: dict[str, Any], history: list[dict[str, float]], ready: Any = None) -> None:
-        """Hand over one epoch's files; call wait() first."""
+    def submit(self, checkpoint: dict[str, Any], history: list[dict[str, float]]) -> None:
+        """Hand over one epoch's files (its checkpoint is copied to the CPU now); call wait() first."""
         assert self.pending is None, "wait() for the previous epoch first"
         self.history = list(history)
+        snapshot = cpu_snapshot(checkpoint)
+        ready = torch.cuda.Event() if torch.cuda.is_initialized() else None  # training on a GPU
+        if ready is not None:
+            ready.record()
         self.pending = self.pool.submit(self._write, snapshot, self.history, ready)
 
     def close(self) -> None:
@@ -98,9 +110,28 @@ class ResultWriter:
             self.next_plot = time.monotonic() + (time.monotonic() - started) / PLOT_SHARE
 
 
+def write_failure(error: Exception, output_dir: str) -> str:
+    """Why a write failed, what to do, and whether there is a checkpoint to continue from."""
+    where = getattr(error, "filename", None) or f"the files in {output_dir}"
+    size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if getattr(error, "errno", None) == errno.EFBIG or (
+        not isinstance(error, OSError) and size_limit != resource.RLIM_INFINITY
+    ):
+        reason, fix = f"the file size limit, ulimit -f, is {size_limit // 1024} KB", "raise it (ulimit -f unlimited)"
+    elif isinstance(error, OSError) and error.strerror:
+        reason, fix = error.strerror, "free space or choose another --output_dir"
+    elif shutil.disk_usage(output_dir).free < 2**26:  # torch.save reports a full disk without its cause
+        reason, fix = "No space left on device", "free space or choose another --output_dir"
+    else:
+        reason, fix = f"{type(error).__name__}: {first_line(error, 100)}", "check the disk and its free space"
+    kept = checkpoint_epoch(output_dir)
+    then = f"continue with --resume True (the checkpoint of epoch {kept} is kept)" if kept else "start the run again"
+    return f"could not write {where} ({reason}); {fix}, then {then}"
+
+
 def cpu_snapshot(value: Any) -> Any:
     """A copy on the CPU of every tensor in nested dicts and lists. From a GPU the copies are queued
-    (pinned memory, non-blocking); record an event after them and wait for it before reading."""
+    (non-blocking); record an event after them and wait for it before reading."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", non_blocking=True, copy=True)
     if isinstance(value, dict):
@@ -124,207 +155,69 @@ def write_atomically(path: str, write: Callable[[str], None]) -> None:
             os.remove(temporary)
 
 
+def lock_file(path: str, wait: bool = True) -> IO[str]:
+    """An OS lock (flock) on `path`, held until the returned file is closed or the process ends, however it
+    ends: the kernel releases it. With wait=False, BlockingIOError says another process holds it."""
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
 def save_checkpoint(state: dict[str, Any], output_dir: str) -> None:
     write_atomically(os.path.join(output_dir, CHECKPOINT_NAME), lambda tmp: torch.save(state, tmp))
 
 
-def load_checkpoint(output_dir: str) -> dict[str, Any]:
-    """Tensors and plain Python values only (weights_only); every tensor lands on the CPU."""
-    return torch.load(os.path.join(output_dir, CHECKPOINT_NAME), map_location="cpu", weights_only=True)
+def load_checkpoint(output_dir: str, lazily: bool = False) -> dict[str, Any]:
+    """Tensors and plain Python values only (weights_only), on the CPU. `lazily`: tensors are read from
+    the file when first used (mmap), so that looking at the epoch or the settings costs nothing."""
+    path = os.path.join(output_dir, CHECKPOINT_NAME)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=lazily)
 
 
-def checkpoint_epoch(output_dir: str) -> tuple[int, dict[str, str]]:
-    """The epoch of the checkpoint in output_dir (-1 if there is none) and the run ids it was saved
-    under (reads only what it needs)."""
+def checkpoint_epoch(output_dir: str) -> int:
+    """The epoch of the checkpoint in output_dir; 0 if there is none that can be read."""
     try:
-        path = os.path.join(output_dir, CHECKPOINT_NAME)
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return int(checkpoint["epoch"]), dict(checkpoint.get("run_ids", {}))
-    except (OSError, RuntimeError, KeyError, ValueError):
-        return -1, {}
-
-
-def same_run(saved_by: dict[str, str], ours: dict[str, str]) -> bool:
-    """Whether a checkpoint saved under the run ids `saved_by` belongs to the run named by `ours`."""
-    return any(saved_by.get(kind) == name for kind, name in ours.items())
-
-
-def read_resume_checkpoint(cfg: SimpleNamespace) -> dict[str, Any]:
-    """The checkpoint in OUTPUT_DIR, once it is known to continue this same run."""
-    path = os.path.join(cfg.OUTPUT_DIR, CHECKPOINT_NAME)
-    if not os.path.isfile(path):
-        raise UserError(no_checkpoint_message(cfg.OUTPUT_DIR))
-    try:
-        checkpoint = load_checkpoint(cfg.OUTPUT_DIR)
-    except Exception as e:
-        raise UserError(f"cannot read {path} ({type(e).__name__}); start a new run without --resume") from None
-    config.check_resume(checkpoint["config"], cfg)
-    return checkpoint
-
-
-def no_checkpoint_message(output_dir: str) -> str:
-    """RESUME=True found nothing to resume: say where a later run moved the last checkpoint, if it did."""
-    moved = latest_moved_checkpoint(output_dir)
-    hint = (
-        f"; a later run moved the last one to {moved}: move its files back into {output_dir} to continue it"
-        if moved
-        else ""
-    )
-    return (
-        f"RESUME=True but there is no {os.path.join(output_dir, CHECKPOINT_NAME)}{hint}; or run without "
-        f"--resume to start a new run"
-    )
+        return int(load_checkpoint(output_dir, lazily=True)["epoch"])
+    except Exception:
+        return 0
 
 
 def write_csv(history: list[dict[str, float]], output_dir: str) -> None:
     def write(path: str) -> None:
         with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(history[0]))
+            writer = csv.DictWriter(f, fieldnames=list(COLUMNS), restval="", extrasaction="ignore")
             writer.writeheader()
             writer.writerows(history)
 
     write_atomically(os.path.join(output_dir, CSV_NAME), write)
 
 
-def remove_stale_temporaries(output_dir: str) -> None:
-    """Temporary files of a run killed in mid-write: never complete, never needed."""
-    for name in os.listdir(output_dir):
-        if name.startswith(tuple(f"{result}.tmp" for result in RESULT_FILES)):
-            os.remove(os.path.join(output_dir, name))
-
-
-def move_aside_earlier_results(output_dir: str) -> str | None:
-    """A new run never overwrites an earlier one: its files move to OUTPUT_DIR/previous-<time>/."""
-    found = [name for name in RESULT_FILES if os.path.exists(os.path.join(output_dir, name))]
-    if not found:
-        return None
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(os.path.join(output_dir, found[0]))))
-    destination = os.path.join(output_dir, f"previous-{stamp}")
-    suffix = 1
-    while os.path.exists(destination):
-        suffix += 1
-        destination = os.path.join(output_dir, f"previous-{stamp}-{suffix}")
-    os.makedirs(destination)
-    for name in found:
-        shutil.move(os.path.join(output_dir, name), os.path.join(destination, name))
-    return destination
-
-
-def latest_moved_checkpoint(output_dir: str) -> str | None:
-    """The newest previous-<time>/ folder that holds a checkpoint, if any."""
-    if not os.path.isdir(output_dir):
-        return None
-    folders = [os.path.join(output_dir, name) for name in os.listdir(output_dir) if name.startswith("previous-")]
-    with_checkpoint = [f for f in folders if os.path.exists(os.path.join(f, CHECKPOINT_NAME))]
-    return max(with_checkpoint, key=lambda f: os.path.getmtime(os.path.join(f, CHECKPOINT_NAME)), default=None)
-
-
-# ----------------------------------------------------------------------------- one run per folder
-
-
-def check_output_dir(output_dir: str) -> None:
-    """Before anything starts: OUTPUT_DIR is (or can become) a writable folder that no other run holds.
-    Creates nothing."""
-    existing = os.path.abspath(output_dir)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UserError(
-            f"OUTPUT_DIR {output_dir} cannot be a folder: {existing} is a file; choose another "
-            f"--output_dir or move that file"
-        )
-    if not os.access(existing, os.W_OK | os.X_OK) or (
-        existing == os.path.abspath(output_dir) and not _can_create_file(existing)
-    ):
-        raise UserError(
-            f"OUTPUT_DIR {output_dir} is not writable ({existing}); choose another --output_dir or fix its permissions"
-        )
-    lock = os.path.join(output_dir, LOCK_NAME)
-    if os.path.exists(lock):
-        _lock_or_refuse(lock, output_dir, same_run_wait_s=0).close()
-
-
-def _can_create_file(folder: str) -> bool:
-    probe = os.path.join(folder, f".write-test-{os.getpid()}")
-    try:
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-        return True
-    except OSError:
-        return False
-
-
-def claim_output_dir(output_dir: str, wait_for_same_run: bool = True) -> IO[str]:
-    """The OS lock that makes this process the only writer of OUTPUT_DIR, held until the returned file
-    is closed or the process ends, however it ends (the kernel releases it). Another run's lock is
-    refused with one line; a restart of this same run (same torchrun run id or SLURM job) waits for its
-    previous attempt's processes to go."""
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create OUTPUT_DIR {output_dir} ({e.strerror}); choose another --output_dir") from None
-    handle = _lock_or_refuse(os.path.join(output_dir, LOCK_NAME), output_dir, 60 if wait_for_same_run else 0)
-    handle.seek(0)
-    handle.truncate()
-    handle.write(
-        f"pid={os.getpid()} host={socket.gethostname()} run={run_id()} since={time.strftime('%Y-%m-%d_%H:%M:%S')}\n"
-    )
-    handle.flush()
-    return handle
-
-
-def _lock_or_refuse(path: str, output_dir: str, same_run_wait_s: float) -> IO[str]:
-    deadline = time.monotonic() + same_run_wait_s
-    try:
-        handle = open(path, "a+")
-    except OSError as e:  # a read-only file system, say (under torchrun no launcher checked it before)
-        raise UserError(
-            f"OUTPUT_DIR {output_dir} is not writable ({e.strerror}: {path}); choose another --output_dir "
-            f"or fix its permissions"
-        ) from None
-    while True:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return handle
-        except BlockingIOError:
-            handle.seek(0)
-            holder = dict(part.split("=", 1) for part in handle.read().split() if "=" in part)
-            if holder.get("run") and holder.get("run") == run_id() and time.monotonic() < deadline:
-                time.sleep(0.5)
-                continue
-            handle.close()
-            raise UserError(
-                f"OUTPUT_DIR {output_dir} is in use by another run (pid {holder.get('pid', '?')} on "
-                f"{holder.get('host', '?')}, since {holder.get('since', '?')}); wait for it to end or "
-                f"choose another --output_dir"
-            ) from None
-
-
-# ----------------------------------------------------------------------------- the picture
-
-
 def plot_history(history: list[dict[str, float]], output_dir: str) -> None:
     """Loss, accuracy and learning rate against epoch, as a PNG (no display needed)."""
     from matplotlib.figure import Figure  # no pyplot: no global state, safe on a background thread
 
-    epochs = [row["epoch"] for row in history]
+    def column(name: str, scale: float = 1.0) -> list[float]:
+        return [scale * row[name] if isinstance(row.get(name), (int, float)) else math.nan for row in history]
+
+    epochs = column("epoch")
     figure = Figure(figsize=(13, 3.8))
     loss_ax, acc_ax, lr_ax = figure.subplots(1, 3)
-    loss_ax.plot(epochs, [row["loss"] for row in history], "o-", label="train loss (label-smoothed)")
-    loss_ax.plot(epochs, [row["test_loss"] for row in history], "s-", label="test loss")
+    loss_ax.plot(epochs, column("loss"), "o-", label="train loss (label-smoothed)")
+    loss_ax.plot(epochs, column("test_loss"), "s-", label="test loss")
     loss_ax.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
-    loss_ax.legend()
-    acc_ax.plot(epochs, [100 * row["acc"] for row in history], "o-", color="tab:green", label="test")
-    acc_ax.plot(epochs, [100 * row["train_acc"] for row in history], "--", color="tab:olive", label="train")
-    acc_ax.set(
-        title=f"Accuracy (best test {100 * max(r['acc'] for r in history):.2f}%)", xlabel="epoch", ylabel="accuracy (%)"
-    )
-    acc_ax.legend()
-    lr_ax.plot(epochs, [row["lr"] for row in history], "o-", color="tab:purple")
+    acc_ax.plot(epochs, column("acc", 100), "o-", color="tab:green", label="test")
+    acc_ax.plot(epochs, column("train_acc", 100), "--", color="tab:olive", label="train")
+    acc_ax.set(title=f"Accuracy (best test {max(column('acc', 100)):.2f}%)", xlabel="epoch", ylabel="accuracy (%)")
+    lr_ax.plot(epochs, column("lr"), "o-", color="tab:purple")
     lr_ax.set(title="Learning rate (at epoch end)", xlabel="epoch", ylabel="learning rate")
     for ax in (loss_ax, acc_ax, lr_ax):
         ax.grid(alpha=0.3)
+    loss_ax.legend()
+    acc_ax.legend()
     figure.subplots_adjust(left=0.05, right=0.99, bottom=0.14, top=0.91, wspace=0.22)
     write_atomically(os.path.join(output_dir, PLOT_NAME), lambda tmp: figure.savefig(tmp, dpi=110, format="png"))
 
@@ -332,21 +225,47 @@ def plot_history(history: list[dict[str, float]], output_dir: str) -> None:
 # ----------------------------------------------------------------------------- the console
 
 
-def epoch_line(row: dict[str, float], epochs: int) -> str:
-    return (
-        f"epoch {row['epoch']:>{len(str(epochs))}}/{epochs}  loss {row['loss']:.4f}  "
-        f"test_loss {row['test_loss']:.4f}  acc {row['acc']:.4f}  lr {row['lr']:.4g}  "
-        f"{row['epoch_seconds']:.1f} s  {row['images_per_second']:,.0f} img/s"
+def describe(run: Any, peak_lr: float) -> str:
+    """Rank 0's first line: what the run is, and how long it took to get to its first step; then any warning."""
+    cfg, info, size = run.cfg, run.dist_info, run.cfg.IMAGE_SIZE
+    parameters = sum(p.numel() for p in run.model.parameters())
+    options = [("compiled", cfg.COMPILE), ("SyncBatchNorm", cfg.SYNC_BN), ("bf16 all-reduce", cfg.BF16_ALLREDUCE)]
+    extras = [name for name, on in [*options, (f"{cfg.ACCUMULATE} micro-batches", cfg.ACCUMULATE > 1)] if on]
+    resized = f", {run.data['resized']:,} resized to {size}x{size}" if run.data["resized"] else ""
+    blocks = "" if cfg.RELU_AFTER_SUM else ", seed blocks"
+    line = " | ".join(
+        [
+            f"ResNet(width={cfg.WIDTH}, {parameters:,} parameters{blocks}) on {cfg.DATASET} "
+            f"({len(run.train_data):,} train, {len(run.test_data):,} test images{resized})",
+            f"{info.world_size} rank(s) on {info.device.type} ({info.backend})",
+            f"global batch {cfg.BATCH_SIZE} ({cfg.BATCH_SIZE // info.world_size} per rank), "
+            f"{run.steps_per_epoch} steps per epoch, {cfg.EPOCHS} epochs",
+            f"{cfg.OPTIMIZER} peak lr {peak_lr:.4g}",
+            "bf16 autocast" if run.bf16 else "fp32",
+            *extras,
+            f"start-up {time.time() - run.launched_at:.1f} s",
+        ]
     )
+    if run.steps_per_epoch < FEW_STEPS:
+        line += (
+            f"\nwarning: an epoch has only {run.steps_per_epoch} steps ({len(run.train_data):,} images, global "
+            f"batch {cfg.BATCH_SIZE}); the recipe needs more: lower --batch_size for a data set this small"
+        )
+    return line
+
+
+def epoch_line(row: dict[str, float], epochs: int) -> str:
+    shown = [fmt.format(row[name]) for name, (_, fmt) in COLUMNS.items() if fmt and name in row]
+    return f"epoch {row['epoch']:>{len(str(epochs))}}/{epochs}  " + "  ".join(shown)
 
 
 def summary_line(history: list[dict[str, float]], output_dir: str) -> str:
     if not history:
         return "nothing to do: every epoch is already done"
     best = max(history, key=lambda row: row["acc"])
+    training = sum(row.get("epoch_seconds", 0.0) for row in history)
+    waited = sum(row.get("write_wait_seconds", 0.0) or 0.0 for row in history)
     mean_speed = sum(row["images_per_second"] for row in history) / len(history)
-    training = sum(row["epoch_seconds"] for row in history)
-    waited = sum(row["write_wait_seconds"] for row in history)
     files = ", ".join(os.path.join(output_dir, name) for name in RESULT_FILES)
     return (
         f"done: {len(history)} epochs in {format_seconds(history[-1]['elapsed_seconds'])} "
@@ -363,52 +282,42 @@ def format_seconds(seconds: float) -> str:
 
 
 class Progress:
-    """A progress bar for one epoch on a terminal: steps, images/s, running loss, ETA.
-
-    Refreshed every `every` steps from the running sums. On a GPU it never waits for them: each refresh
-    queues a copy of the sums to the host and shows the previous refresh's copy once it has landed, so
-    the thread that launches kernels is never held up (the bar lags one refresh). Off when stdout is
-    not a terminal: then one plain line per epoch."""
+    """One epoch's progress bar on rank 0's terminal (tqdm; off when stdout is not a terminal). The loss and
+    images/s are refreshed every `every` steps from the running sums; on a GPU from a copy queued at the
+    refresh before, so that the thread launching kernels never waits for the device."""
 
     def __init__(self, enabled: bool, every: int, epoch: int, epochs: int, steps: int, world_size: int) -> None:
-        self.enabled = enabled and sys.stdout.isatty()
-        self.every = max(1, every)
-        self.epoch, self.epochs, self.steps, self.world_size = epoch, epochs, steps, world_size
-        self.started = time.perf_counter()
-        self.in_flight: tuple[torch.Tensor, Any, int, float] | None = None  # GPU: (copy, event, steps, time)
+        from tqdm import tqdm
+
+        on = enabled and sys.stdout.isatty()
+        self.bar = (
+            tqdm(total=steps, desc=f"epoch {epoch}/{epochs}", unit="step", leave=False, file=sys.stdout) if on else None
+        )
+        self.every, self.world_size, self.started = max(1, every), world_size, time.perf_counter()
+        self.queued: tuple[torch.Tensor, Any] | None = None  # GPU: (host copy of the sums, its event)
 
     def update(self, step: int, sums: torch.Tensor) -> None:
-        if not self.enabled or ((step + 1) % self.every and step + 1 != self.steps):
+        if self.bar is None:
             return
-        done, now = step + 1, time.perf_counter()
+        self.bar.update()
+        if (step + 1) % self.every:
+            return
         if not sums.is_cuda:
-            self.show(sums.tolist(), done, now - self.started)
+            self._show(sums.tolist())
             return
-        if self.in_flight is not None:
-            copy, landed, copied_at_step, copied_at = self.in_flight
-            if not landed.query():
-                return  # the previous copy is still queued: skip this refresh rather than wait
-            self.show(copy.tolist(), copied_at_step, copied_at - self.started)
+        if self.queued is not None and self.queued[1].query():
+            self._show(self.queued[0].tolist())
         copy = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
         copy.copy_(sums, non_blocking=True)
         landed = torch.cuda.Event()
         landed.record()
-        self.in_flight = (copy, landed, done, now)
+        self.queued = (copy, landed)
 
-    def show(self, sums: list[float], done: int, elapsed: float) -> None:
+    def _show(self, sums: list[float]) -> None:
         loss_sum, _, images = sums  # this rank's; the others train at the same pace
-        eta = elapsed / done * (self.steps - done)
-        filled = int(24 * done / self.steps)
-        bar = "#" * filled + "." * (24 - filled)
-        loss = loss_sum / images if images else math.nan
-        sys.stdout.write(
-            f"\repoch {self.epoch}/{self.epochs} [{bar}] {done}/{self.steps}  "
-            f"loss {loss:.4f}  {self.world_size * images / max(elapsed, 1e-9):,.0f} img/s  "
-            f"eta {format_seconds(eta)} "
-        )
-        sys.stdout.flush()
+        speed = self.world_size * images / max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"loss {loss_sum / max(images, 1):.4f}  {speed:,.0f} img/s")
 
-    def clear(self) -> None:
-        if self.enabled:
-            sys.stdout.write("\r\033[K")
-            sys.stdout.flush()
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,22 +1,37 @@
-"""Shared helpers: real processes on the CPU (gloo), tiny generated data, a few runs that several tests read."""
+"""Shared helpers: runs with real processes on the CPU (gloo), tiny generated data, a few runs several tests read.
 
+Most runs are forked from the test server (tests/server.py), which has imported torch and the project once;
+`real=True` starts a new interpreter instead, as a user's `python train_distribute.py` does.
+"""
+
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the suite exercises the CPU/gloo path, also on a machine with GPUs
 
+import config  # noqa: E402  (after hiding the GPUs)
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_distribute.py"
 # A small, fast run: tiny network, synthetic images, several steps per epoch.
-TINY = ["--dataset=synthetic", "--synthetic_size=1200", "--width=8", "--batch_size=96", "--world_size=2"]
+TINY = ["--dataset=synthetic", "--synthetic_size=600", "--width=8", "--batch_size=48", "--world_size=2"]
 HANG_TIMEOUT = 240  # seconds; a run that takes longer than this is hanging, not slow
+
+
+def read_config(argv: list[str]) -> SimpleNamespace:
+    return config.read_config(str(SCRIPT), argv)
 
 
 def clean_env(**extra: str) -> dict:
@@ -29,18 +44,129 @@ def clean_env(**extra: str) -> dict:
     return env
 
 
+# ----------------------------------------------------------------------------- runs forked from the test server
+
+
+class Server:
+    """The test server process, started once per session (it imports torch while the first tests run)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.server"],
+            cwd=ROOT,
+            env=clean_env(PYTHONPATH=str(ROOT)),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.lock = threading.Lock()
+
+    def ask(self, request: dict) -> dict:
+        with self.lock:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            return json.loads(self.process.stdout.readline())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+SERVER: list[Server] = []
+
+
+def pytest_sessionstart(session) -> None:
+    SERVER.append(Server())
+
+
+def pytest_sessionfinish(session) -> None:
+    if SERVER:
+        SERVER[0].close()
+
+
+class Launched:
+    """A run the server forked, used as a subprocess.Popen: pid (its own session), poll, wait, communicate, kill."""
+
+    def __init__(self, request: dict) -> None:
+        self.stdout_path, self.stderr_path = request["stdout"], request["stderr"]
+        self.pid = SERVER[0].ask({"start": request})["pid"]
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = SERVER[0].ask({"poll": self.pid})["code"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else 10**9)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"run {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        out = Path(self.stdout_path).read_text(errors="replace")
+        return out, "" if self.stderr_path == self.stdout_path else Path(self.stderr_path).read_text(errors="replace")
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+
+def launch(
+    *args: str,
+    env: dict | None = None,
+    cwd: Path | None = None,
+    call: str | None = None,
+    merge_output: bool = False,
+    output: str | None = None,
+    ignore_sigint: bool = False,
+) -> Launched:
+    """`python train_distribute.py *args` (or call="module:function" with args), forked from the test server,
+    in a session of its own, so that a test can signal or kill all of it."""
+    folder = tempfile.mkdtemp(prefix="run-")
+    stdout = output or os.path.join(folder, "stdout")
+    request = {
+        "argv": list(args),
+        "env": env or clean_env(),
+        "cwd": str(cwd or ROOT),
+        "stdout": stdout,
+        "stderr": stdout if merge_output or output else os.path.join(folder, "stderr"),
+        "ignore_sigint": ignore_sigint,
+    }
+    if call:
+        request.update(call=call, args=list(args))
+    return Launched(request)
+
+
 def run_script(
-    *args: str, timeout: float = HANG_TIMEOUT, env: dict | None = None, cwd: Path | None = None
+    *args: str, timeout: float = HANG_TIMEOUT, env: dict | None = None, cwd: Path | None = None, real: bool = False
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env or clean_env(),
-        cwd=cwd or ROOT,
-        stdin=subprocess.DEVNULL,
-    )
+    """The script with these arguments, to its end. real=True: in a new interpreter, as a user starts it."""
+    if real:
+        return subprocess.run(
+            [sys.executable, str(SCRIPT), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env or clean_env(),
+            cwd=cwd or ROOT,
+            stdin=subprocess.DEVNULL,
+        )
+    run = launch(*args, env=env, cwd=cwd)
+    out, err = run.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(list(args), run.returncode, out, err)
+
+
+def call(function: str, *args, env: dict | None = None, timeout: float = HANG_TIMEOUT) -> subprocess.CompletedProcess:
+    """Call "module:function"(*args) in a process forked from the test server, to its end."""
+    run = launch(*args, call=function, env=env)
+    out, err = run.communicate(timeout=timeout)
+    return subprocess.CompletedProcess([function, *args], run.returncode, out, err)
+
+
+# ----------------------------------------------------------------------------- reading runs
 
 
 def torchrun_command(*args: str) -> list[str]:
@@ -58,12 +184,12 @@ def csv_rows(output_dir: Path) -> int:
     return len(pd.read_csv(path)) if path.exists() else 0
 
 
-def wait_for_rows(output_dir: Path, rows: int, process: subprocess.Popen, timeout: float = HANG_TIMEOUT) -> None:
+def wait_for_rows(output_dir: Path, rows: int, process, timeout: float = HANG_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while csv_rows(output_dir) < rows:
         assert process.poll() is None, f"the run ended (exit {process.returncode}) before writing {rows} rows"
         assert time.monotonic() < deadline, "no CSV rows in time: the run hangs"
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
 def children_of(pid: int) -> list[int]:
@@ -83,6 +209,21 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def rank_processes(launcher: int, count: int = 2) -> list[int]:
+    """The launcher's rank processes (its children other than multiprocessing's resource tracker)."""
+    children = [pid for pid in children_of(launcher) if _parent(pid) == launcher]
+    ranks = [pid for pid in children if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(ranks) == count, ranks
+    return sorted(ranks)
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -93,9 +234,10 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
-    """One uninterrupted 2-rank run of 5 epochs that several tests inspect, and its wall-clock seconds."""
+    """One uninterrupted 2-rank run of 5 epochs that several tests inspect, and its wall-clock seconds: started as a
+    user starts it (a new interpreter, ranks spawned)."""
     out = tmp_path_factory.mktemp("reference") / "out"
     started = time.monotonic()
-    result = run_script(*TINY, "--epochs=5", f"--output_dir={out}")
+    result = run_script(*TINY, "--epochs=5", f"--output_dir={out}", real=True)
     assert result.returncode == 0, result.stdout + result.stderr
     return out, result, time.monotonic() - started

@@ -1,21 +1,20 @@
-"""train_distribute.py with a hook on checkpoint writes, in the launcher and in every spawned rank (a
-spawned process runs this file's top level before it unpickles its worker). Tests use it to catch a run
-in the middle of a background write, or to make a write fail as on a full disk.
+"""Hooks on checkpoint writes for tests that catch a run in the middle of a background write, or make a write
+fail as on a full disk. The test server installs them in every run it starts (they act only where the run's
+environment asks, and ranks forked from the launcher inherit them):
 
-    PYTHONPATH=. TEST_SLOW_EPOCH=2 TEST_MARKER=/path python tests/hooked_run.py ...  # epoch 2's write takes 4 s
-    PYTHONPATH=. TEST_FAIL_EPOCH=2 python tests/hooked_run.py ...                     # epoch 2's write fails
+    TEST_SLOW_EPOCH=2 TEST_MARKER=/path   epoch 2's checkpoint write takes 4 s; the marker file says it began
+    TEST_FAIL_EPOCH=2                     epoch 2's checkpoint write fails as on a full disk
+    TEST_WRITE_BUG_EPOCH=2                epoch 2's CSV write raises ValueError, as a bug in the writer would
 """
 
 import errno
 import os
-import sys
 import time
 from pathlib import Path
 
 import outputs
-import train_distribute
 
-_save_checkpoint = outputs.save_checkpoint
+_save_checkpoint, _write_csv = outputs.save_checkpoint, outputs.write_csv
 
 
 def hooked_save_checkpoint(state: dict, output_dir: str) -> None:
@@ -28,7 +27,12 @@ def hooked_save_checkpoint(state: dict, output_dir: str) -> None:
     _save_checkpoint(state, output_dir)
 
 
-outputs.save_checkpoint = hooked_save_checkpoint
+def hooked_write_csv(history: list, output_dir: str) -> None:
+    if len(history) == int(os.environ.get("TEST_WRITE_BUG_EPOCH", "0")):
+        raise ValueError("dict contains fields not in fieldnames: 'surprise'")
+    _write_csv(history, output_dir)
 
-if __name__ == "__main__":
-    sys.exit(train_distribute.main(sys.argv[1:]))
+
+def install_hooks() -> None:
+    if any(name.startswith("TEST_") for name in os.environ):
+        outputs.save_checkpoint, outputs.write_csv = hooked_save_checkpoint, hooked_write_csv

@@ -10,8 +10,8 @@ import pytest
 
 import config
 import train_distribute as td
-from distribute_tools import UserError
-from tests.conftest import ROOT, clean_env
+from processes import UserError
+from tests.conftest import ROOT, clean_env, read_config
 
 SETTINGS = config.read_settings(td.__file__)
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -45,33 +45,31 @@ def test_help_lists_every_setting_with_its_default_comment_and_choices():
 
 def test_short_help_is_the_same(capsys):
     with pytest.raises(SystemExit) as exit_code:
-        td.read_config(["-h"])
+        read_config(["-h"])
     assert exit_code.value.code == 0 and "--epochs N" in capsys.readouterr().out
 
 
 def test_name_value_and_name_equals_value_both_work():
-    cfg = td.read_config(
-        ["--epochs", "3", "--lr=1", "--dataset", "synthetic", "--data_dir=/x", "--label_smoothing", "0"]
-    )
+    cfg = read_config(["--epochs", "3", "--lr=1", "--dataset", "synthetic", "--data_dir=/x", "--label_smoothing", "0"])
     assert (cfg.EPOCHS, cfg.LR, cfg.DATASET, cfg.DATA_DIR, cfg.LABEL_SMOOTHING) == (3, 1.0, "synthetic", "/x", 0.0)
     assert isinstance(cfg.LR, float) and isinstance(cfg.EPOCHS, int)
-    assert td.read_config(["--world_size", "-1"]).WORLD_SIZE == -1  # a negative number is a value, not an option
+    assert read_config(["--world_size", "-1"]).WORLD_SIZE == -1  # a negative number is a value, not an option
 
 
 @pytest.mark.parametrize(
     "spelling,value", [("True", True), ("true", True), ("1", True), ("False", False), ("false", False), ("0", False)]
 )
 def test_boolean_spellings(spelling, value):
-    assert td.read_config([f"--resume={spelling}"]).RESUME is value
-    assert td.read_config(["--amp", spelling]).AMP is value
+    assert read_config([f"--resume={spelling}"]).RESUME is value
+    assert read_config(["--amp", spelling]).AMP is value
 
 
 def test_a_bare_boolean_flag_means_true():
-    assert td.read_config(["--compile"]).COMPILE is True and td.read_config([]).COMPILE is False
+    assert read_config(["--compile"]).COMPILE is True and read_config([]).COMPILE is False
 
 
 def test_defaults_are_the_constants_at_the_top():
-    cfg = td.read_config([])
+    cfg = read_config([])
     assert vars(cfg) == {s.name: s.default for s in SETTINGS}
 
 
@@ -92,13 +90,22 @@ def test_defaults_are_the_constants_at_the_top():
 )
 def test_bad_arguments_are_one_line_naming_the_fix(argv, message):
     with pytest.raises(UserError, match=message) as error:
-        td.read_config(argv)
+        read_config(argv)
     assert "\n" not in str(error.value)
 
 
 def script_copy(tmp_path, old: str, new: str):
     """A copy of the project with one line of the settings block edited."""
-    for name in ("train_distribute.py", "config.py", "data.py", "distribute_tools.py", "outputs.py", "resnet.py"):
+    for name in (
+        "train_distribute.py",
+        "config.py",
+        "data.py",
+        "distribute_tools.py",
+        "outputs.py",
+        "resnet.py",
+        "processes.py",
+        "resume.py",
+    ):
         shutil.copy(ROOT / name, tmp_path / name)
     script = tmp_path / "train_distribute.py"
     text = script.read_text()
@@ -150,22 +157,22 @@ SYNTHETIC = ["--dataset=synthetic", "--synthetic_size=1000", "--world_size=2", "
 )
 def test_validation(extra, message, tmp_path):
     with pytest.raises(UserError, match=message):
-        td.check_before_start(td.read_config([*SYNTHETIC, *extra, f"--output_dir={tmp_path}/out"]))
+        td.check_before_start(read_config([*SYNTHETIC, *extra, f"--output_dir={tmp_path}/out"]))
 
 
 def test_valid_settings_give_the_world_size(tmp_path):
-    assert td.check_before_start(td.read_config([*SYNTHETIC, f"--output_dir={tmp_path}"])) == 2
-    auto = td.read_config([*SYNTHETIC, "--world_size=0", f"--output_dir={tmp_path}"])
+    assert td.check_before_start(read_config([*SYNTHETIC, f"--output_dir={tmp_path}"])) == 2
+    auto = read_config([*SYNTHETIC, "--world_size=0", f"--output_dir={tmp_path}"])
     assert td.check_before_start(auto) == 2  # on a machine without GPUs
 
 
 def test_resume_without_checkpoint_is_refused(tmp_path):
     with pytest.raises(UserError, match="RESUME=True but there is no"):
-        td.check_before_start(td.read_config([*SYNTHETIC, "--resume=True", f"--output_dir={tmp_path}"]))
+        td.check_before_start(read_config([*SYNTHETIC, "--resume=True", f"--output_dir={tmp_path}"]))
 
 
 def test_resume_compares_every_setting_but_the_free_ones():
-    cfg = td.read_config([])
+    cfg = read_config([])
     saved = dict(vars(cfg))
     for name in config.FREE_ON_RESUME:  # where files are, how it is launched, how it is evaluated
         config.check_resume({**saved, name: "something else"}, cfg)
@@ -196,7 +203,33 @@ def test_constant_schedule_is_the_seeds():
 
 
 def test_sgd_lr_scales_with_the_global_batch_and_adam_does_not():
-    sgd = td.read_config(["--lr=0.4", "--batch_size=1024"])
+    sgd = read_config(["--lr=0.4", "--batch_size=1024"])
     assert td.peak_lr(sgd) == pytest.approx(0.8)
-    adam = td.read_config(["--optimizer=adam", "--lr=1e-3", "--batch_size=1024"])
+    adam = read_config(["--optimizer=adam", "--lr=1e-3", "--batch_size=1024"])
     assert td.peak_lr(adam) == pytest.approx(1e-3)
+
+
+# ----------------------------------------------------------------------------- mistakes in the file itself
+
+
+def test_a_setting_written_twice_in_the_block_is_one_line(tmp_path):
+    script = script_copy(tmp_path, "EPOCHS: int = 30", "EPOCHS: int = 30\nEPOCHS: int = 3")
+    result = subprocess.run(
+        [sys.executable, str(script), "--epochs=1"], capture_output=True, text=True, env=clean_env(), cwd=tmp_path
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "EPOCHS is written twice in the settings block" in lines[0] and "keep one" in lines[0]
+
+
+def test_a_value_out_of_range_in_the_file_names_the_file_and_a_good_value(tmp_path):
+    with pytest.raises(UserError) as error:
+        config.read_config(str(script_copy(tmp_path, "EPOCHS: int = 30", "EPOCHS: int = -3")), [])
+    assert "EPOCHS: int = -3 at the top of train_distribute.py must be positive" in str(error.value)
+    assert "write e.g. EPOCHS: int = 1" in str(error.value) and "-3;" not in str(error.value).split("e.g.")[1]
+
+
+@pytest.mark.parametrize("name", ["output_dir", "data_dir"])
+def test_an_empty_folder_setting_is_refused_at_once(name):
+    with pytest.raises(UserError, match=f"{name.upper()}='' is empty; e.g. --{name} "):
+        read_config([f"--{name}="])

@@ -1,3 +1,4 @@
+import os
 import pickle
 import shutil
 import socket
@@ -10,7 +11,13 @@ from torchvision.datasets import CIFAR10
 
 import data
 from data import DeviceLoader, ImageSet, crop_and_flip, shard_indices
-from distribute_tools import UserError
+from processes import UserError
+from tests.conftest import read_config
+
+
+def folder_config(root, *extra: str):
+    return read_config(["--dataset=imagefolder", f"--data_dir={root}", *extra])
+
 
 # ----------------------------------------------------------------------------- shards
 
@@ -116,8 +123,10 @@ def test_image_folder_reader(tmp_path):
     (tmp_path / "test" / "dog").mkdir(parents=True)
     Image.fromarray(big.numpy()).save(tmp_path / "test" / "dog" / "d.jpg", quality=95)
     write_png(tmp_path / "test" / "cat" / "e.png", pictures[3])
-    assert data.prepare("imagefolder", str(tmp_path), 0) == 3
-    train, test = data.load_dataset("imagefolder", str(tmp_path), 0, seed=0)
+    cfg = folder_config(tmp_path)
+    assert data.sizes(cfg) == (3, 2, 2)
+    data.prepare(cfg)
+    train, test = data.read(cfg)
     assert train.classes == ["cat", "dog"] == test.classes
     assert train.labels.tolist() == [0, 0, 1]  # cat/b, cat/c, dog/a
     assert torch.equal(train.images[2], pictures[0].permute(2, 0, 1))
@@ -135,7 +144,7 @@ def test_image_folder_checks(tmp_path, layout, message):
         for split in layout:
             (root / split / "zebra").mkdir(parents=True)
     with pytest.raises(UserError, match=message):
-        data.prepare("imagefolder", str(root), 0)
+        data.prepare(folder_config(root))
 
 
 def small_folder(root, images: int = 3):
@@ -148,21 +157,23 @@ def small_folder(root, images: int = 3):
 def count_decodes(monkeypatch) -> list:
     calls = []
     original = data.decode_images
-    monkeypatch.setattr(data, "decode_images", lambda paths, root: (calls.append(root), original(paths, root))[1])
+    monkeypatch.setattr(
+        data, "decode_images", lambda paths, root, size: (calls.append(root), original(paths, root, size))[1]
+    )
     return calls
 
 
 def test_an_image_folder_is_decoded_once_and_reused_until_a_file_changes(tmp_path, monkeypatch):
     small_folder(tmp_path)
     calls = count_decodes(monkeypatch)
-    first = data.cached_image_folder(str(tmp_path / "train"))
-    again = data.cached_image_folder(str(tmp_path / "train"))
+    first = data.cached_image_folder(str(tmp_path / "train"), 32)
+    again = data.cached_image_folder(str(tmp_path / "train"), 32)
     assert (
         len(calls) == 1 and torch.equal(first.images, again.images) and first.labels.tolist() == [0, 1, 1]
     )  # cat/1, dog/0, dog/2
     assert [p.name for p in (tmp_path / ".decoded").glob("train-*.pt")]  # beside the data
     write_png(tmp_path / "train" / "dog" / "0.png", torch.zeros(32, 32, 3, dtype=torch.uint8))  # one file changes
-    changed = data.cached_image_folder(str(tmp_path / "train"))
+    changed = data.cached_image_folder(str(tmp_path / "train"), 32)
     assert len(calls) == 2 and changed.images[1].sum() == 0
     assert len(list((tmp_path / ".decoded").glob("train-*.pt"))) == 1  # the outdated cache is gone
 
@@ -171,7 +182,7 @@ def test_machines_ranks_decode_a_folder_once_between_them(tmp_path, monkeypatch)
     small_folder(tmp_path, images=20)
     calls = count_decodes(monkeypatch)
     with ThreadPoolExecutor(3) as pool:  # a lock per folder: one decodes, the others wait and load
-        sets = list(pool.map(lambda _: data.cached_image_folder(str(tmp_path / "train")), range(3)))
+        sets = list(pool.map(lambda _: data.cached_image_folder(str(tmp_path / "train"), 32), range(3)))
     assert len(calls) == 1 and all(torch.equal(s.images, sets[0].images) for s in sets)
 
 
@@ -179,7 +190,7 @@ def test_a_read_only_data_dir_caches_in_the_users_cache_folder(tmp_path, monkeyp
     small_folder(tmp_path / "data")
     (tmp_path / "data" / ".decoded").write_text("in the way, as a read-only DATA_DIR would be")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    data.cached_image_folder(str(tmp_path / "data" / "train"))
+    data.cached_image_folder(str(tmp_path / "data" / "train"), 32)
     assert list((tmp_path / "cache" / "resnet-ddp").glob("*/train-*.pt"))
 
 
@@ -202,7 +213,7 @@ def test_cifar10_reader(tmp_path):
             f,
             protocol=2,
         )
-    train, test = data.load_dataset("cifar10", str(tmp_path), 0, seed=0)
+    train, test = data.read(read_config(["--dataset=cifar10", f"--data_dir={tmp_path}"]))
     assert torch.equal(train.images, images[:5].reshape(60, 3, 32, 32))
     assert train.labels.tolist() == [label for i in range(5) for label in range(i, i + 12)]
     assert torch.equal(test.images, images[5]) and test.labels.tolist() == [9] * 12
@@ -239,9 +250,93 @@ def test_decoding_in_chunks_on_all_cores_names_every_damaged_file(tmp_path, monk
     (tmp_path / "train" / "cat" / "broken.png").write_bytes(b"not a picture")
     monkeypatch.setattr(data, "DECODE_CHUNK", 2)  # several chunks: decoded by a pool of processes
     with pytest.raises(UserError, match=r"1 of 8 images in .*train cannot be read: .*broken\.png \(cannot identify"):
-        data.cached_image_folder(str(tmp_path / "train"))
+        data.cached_image_folder(str(tmp_path / "train"), 32)
     (tmp_path / "train" / "cat" / "broken.png").unlink()
-    chunked = data.cached_image_folder(str(tmp_path / "train"))
+    chunked = data.cached_image_folder(str(tmp_path / "train"), 32)
     monkeypatch.setattr(data, "DECODE_CHUNK", 2_000)
     shutil.rmtree(tmp_path / ".decoded")
-    assert torch.equal(chunked.images, data.cached_image_folder(str(tmp_path / "train")).images)
+    assert torch.equal(chunked.images, data.cached_image_folder(str(tmp_path / "train"), 32).images)
+
+
+# ----------------------------------------------------------------------------- own data as users bring it
+
+
+def test_images_of_another_size_are_stretched_to_the_square_and_counted(tmp_path):
+    write_png(tmp_path / "train" / "cat" / "wide.png", torch.full((40, 80, 3), 90, dtype=torch.uint8))
+    write_png(tmp_path / "train" / "cat" / "exact.png", torch.full((64, 64, 3), 10, dtype=torch.uint8))
+    write_png(tmp_path / "test" / "cat" / "small.png", torch.full((16, 16, 3), 200, dtype=torch.uint8))
+    cfg = folder_config(tmp_path, "--image_size=64")
+    data.prepare(cfg)
+    train, test = data.read(cfg)
+    assert train.images.shape == (2, 3, 64, 64) and test.images.shape == (1, 3, 64, 64)
+    assert train.resized == 1 and test.resized == 1  # the 80x40 and the 16x16 images, not the 64x64 one
+    assert (train.images[1].int() - 90).abs().max() <= 1 and (test.images[0].int() - 200).abs().max() <= 1
+    assert data.record(train, test)["resized"] == 2
+
+
+def test_an_image_folder_is_normalised_with_its_own_statistics_and_cifar10_with_the_published_ones(tmp_path):
+    pictures = torch.randint(100, 160, (6, 32, 32, 3), dtype=torch.uint8)
+    for i in range(6):
+        write_png(tmp_path / "train" / f"c{i % 2}" / f"{i}.png", pictures[i])
+        write_png(tmp_path / "test" / f"c{i % 2}" / f"{i}.png", pictures[i])
+    data.prepare(folder_config(tmp_path))
+    train, test = data.read(folder_config(tmp_path))
+    pixels = train.images.double() / 255
+    torch.testing.assert_close(torch.tensor(train.mean), pixels.mean(dim=(0, 2, 3)).float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(train.std), pixels.std(dim=(0, 2, 3), correction=0).float(), atol=1e-6, rtol=0
+    )
+    assert test.mean == train.mean and test.std == train.std  # the test set is normalised as the training set is
+    x, _ = next(DeviceLoader(train, torch.device("cpu")).eval_batches(1, 0))
+    assert x.mean(dim=(0, 2, 3)).abs().max() < 1e-4 and (x.std(dim=(0, 2, 3)) - 1).abs().max() < 0.05
+    assert data.ImageSet(train.images, train.labels, ["c0", "c1"]).mean == data.CIFAR_MEAN  # CIFAR-10's default
+
+
+def test_crops_shift_by_an_eighth_of_the_image():
+    for size, pad in ((32, 4), (64, 8), (16, 2)):
+        images = data.make_synthetic(8, seed=0, split=0, image_size=size)
+        assert images.images.shape[-1] == size and DeviceLoader(images, torch.device("cpu")).crop_pad == pad
+
+
+def test_cifar10_refuses_another_image_size():
+    with pytest.raises(UserError, match="IMAGE_SIZE=64 but CIFAR-10's images are 32x32; use --image_size 32"):
+        data.sizes(read_config(["--dataset=cifar10", "--image_size=64"]))
+
+
+def test_a_broken_link_in_an_image_folder_is_named(tmp_path):
+    small_folder(tmp_path)
+    (tmp_path / "train" / "cat" / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    with pytest.raises(UserError, match=r"1 file\(s\) in .*train are links to files that do not exist: .*gone\.png"):
+        data.prepare(folder_config(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "dataset,message", [("imagefolder", "is a file, not a folder"), ("cifar10", "is a file; point")]
+)
+def test_a_data_dir_that_is_a_file_is_named_as_a_file(tmp_path, dataset, message):
+    (tmp_path / "data").write_text("not a folder")
+    with pytest.raises(UserError, match=f"DATA_DIR {tmp_path}/data {message}"):
+        cfg = read_config([f"--dataset={dataset}", f"--data_dir={tmp_path / 'data'}"])
+        data.sizes(cfg)
+        data.prepare(cfg)
+
+
+def test_the_identity_tells_other_images_of_the_same_count_apart():
+    a, b = data.make_synthetic(50, seed=0, split=0), data.make_synthetic(50, seed=1, split=0)
+    test = data.make_synthetic(10, seed=0, split=1)
+    assert data.identity(a, test) == data.identity(a, test) != data.identity(b, test)
+    assert data.identity(a, test).startswith("50 train and 10 test images of 32x32, checksum ")
+
+
+@pytest.mark.parametrize(
+    "extra,names", [(["--width=100000"], "--width"), (["--synthetic_size=1000000000"], "number of images")]
+)
+def test_sizes_that_cannot_fit_in_memory_are_refused_before_anything_starts(extra, names):
+    import train_distribute as td
+
+    cfg = read_config(["--dataset=synthetic", *extra])
+    with pytest.raises(UserError) as error:
+        data.check_sizes(cfg, lambda classes: td.make_model(cfg, classes), ranks=2)
+    message = str(error.value)
+    assert message.startswith("this run needs about ") and "GB of memory" in message and names in message
+    assert f"machine's {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:,.0f} GB" in message

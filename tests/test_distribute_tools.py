@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import distribute_tools as dt
-from tests import workers
+import processes
+from tests.conftest import ROOT, call, clean_env, run_script
 
 
 @pytest.fixture(autouse=True)
 def own_environment():
-    """run_distribute exports MASTER_ADDR/MASTER_PORT for its children: keep each test's to itself."""
     saved = dict(os.environ)
     for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)
@@ -33,15 +33,16 @@ def test_cpu_gets_gloo_and_two_processes():
     assert dt.choose_device(0, 2) == (torch.device("cpu"), "gloo")
     assert dt.resolve_world_size(0) == 2
     assert dt.resolve_world_size(3) == 3
-    with pytest.raises(dt.UserError, match="negative"):
+    with pytest.raises(processes.UserError, match="negative"):
         dt.resolve_world_size(-1)
 
 
-def test_torchrun_decides_the_world_size(monkeypatch):
+def test_torchrun_decides_the_world_size(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "6")
     assert dt.under_torchrun() and dt.resolve_world_size(2) == 6
+    assert "warning: WORLD_SIZE=2 is ignored under torchrun, which started 6 ranks" in capsys.readouterr().out
 
 
 def test_spawned_ranks_with_a_free_port_while_the_usual_ones_are_taken(tmp_path):
@@ -56,7 +57,7 @@ def test_spawned_ranks_with_a_free_port_while_the_usual_ones_are_taken(tmp_path)
         except OSError:  # already taken by something else: just as good for this test
             s.close()
     try:
-        assert dt.run_distribute(workers.report_worker, 2, str(tmp_path)) == 0
+        assert call("tests.workers:start", "report_worker", 2, str(tmp_path)).returncode == 0
     finally:
         for s in held:
             s.close()
@@ -71,43 +72,43 @@ def test_spawned_ranks_with_a_free_port_while_the_usual_ones_are_taken(tmp_path)
 
 
 def test_master_port_from_the_environment_is_honoured(tmp_path):
-    port = str(dt.free_port())
-    os.environ["MASTER_PORT"] = port
-    assert dt.run_distribute(workers.report_worker, 2, str(tmp_path)) == 0
+    port = str(processes.free_port())
+    assert (
+        call("tests.workers:start", "report_worker", 2, str(tmp_path), env=clean_env(MASTER_PORT=port)).returncode == 0
+    )
     assert {f["master_port"] for f in reports(tmp_path, 2)} == {port}
 
 
-def test_a_raising_worker_ends_the_run_and_names_its_rank(capfd, tmp_path):
-    port = str(dt.free_port())
-    os.environ["MASTER_PORT"] = port
+def test_a_raising_worker_ends_the_run_and_names_its_rank(tmp_path):
+    env = clean_env(MASTER_PORT=str(processes.free_port()))
     started = time.monotonic()
-    assert dt.run_distribute(workers.raising_worker, 2) != 0
-    assert time.monotonic() - started < 60
-    err = capfd.readouterr().err
-    assert "[rank 1] failed with RuntimeError" in err and "[rank 1] RuntimeError: raised on purpose by the test" in err
-    assert "[rank 0] Traceback" not in err  # the rank that lost its peer says so in one line, if at all
+    result = call("tests.workers:start", "raising_worker", 2, env=env)
+    assert result.returncode == 1 and time.monotonic() - started < 60
+    assert "[rank 1] failed with RuntimeError" in result.stderr
+    assert "[rank 1] RuntimeError: raised on purpose by the test" in result.stderr
+    assert "[rank 0] Traceback" not in result.stderr  # the rank that lost its peer says so in one line, if at all
     # the port is released: an immediate rerun on the same port works
-    assert dt.run_distribute(workers.report_worker, 2, str(tmp_path)) == 0
-    assert {f["master_port"] for f in reports(tmp_path, 2)} == {port}
+    assert call("tests.workers:start", "report_worker", 2, str(tmp_path), env=env).returncode == 0
+    assert {f["master_port"] for f in reports(tmp_path, 2)} == {env["MASTER_PORT"]}
 
 
-def test_a_rank_stuck_outside_collectives_times_out_the_others(capfd):
+def test_a_rank_stuck_outside_collectives_times_out_the_others():
     started = time.monotonic()
-    assert dt.run_distribute(workers.hanging_worker, 2, 3.0) != 0
-    assert time.monotonic() - started < 60, "the collective timeout did not end the run"
-    err = capfd.readouterr().err
-    assert "[rank 0] failed with" in err
+    result = call("tests.workers:start", "hanging_worker", 2, 3.0)
+    assert result.returncode != 0
+    assert time.monotonic() - started < 30, "the collective timeout did not end the run"
+    assert "[rank 0] failed with" in result.stderr
 
 
 def test_more_ranks_than_gpus_is_refused_before_anything_starts(monkeypatch):
     monkeypatch.setattr(dt, "gpu_count", lambda: 2)
     assert dt.resolve_world_size(0) == 2 and dt.resolve_world_size(1) == 1
-    with pytest.raises(dt.UserError, match="WORLD_SIZE=3 but this machine has 2 GPU"):
+    with pytest.raises(processes.UserError, match="WORLD_SIZE=3 but this machine has 2 GPU"):
         dt.resolve_world_size(3)
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(
-        dt.UserError, match=r"two ranks would share a GPU; start one process per GPU \(--nproc_per_node=2\)"
+        processes.UserError, match=r"two ranks would share a GPU; start one process per GPU \(--nproc_per_node=2\)"
     ):
         dt.resolve_world_size(0)
 
@@ -128,7 +129,7 @@ def test_each_rank_gets_its_own_gpu_in_every_layout(monkeypatch, visible, local_
 
 def test_two_ranks_never_share_a_gpu(monkeypatch):
     monkeypatch.setattr(dt, "gpu_count", lambda: 2)
-    with pytest.raises(dt.UserError, match="4 processes on this machine but each sees 2 GPUs"):
+    with pytest.raises(processes.UserError, match="4 processes on this machine but each sees 2 GPUs"):
         dt.choose_device(3, 4)
 
 
@@ -144,7 +145,7 @@ def test_gpus_torch_cannot_use_stop_the_run_unless_the_cpu_is_asked_for(tmp_path
     fake_nvidia_smi(tmp_path, monkeypatch)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     with pytest.raises(
-        dt.UserError, match="nvidia-smi shows 2 GPU.* but torch .* cannot use them.*CUDA_VISIBLE_DEVICES="
+        processes.UserError, match="nvidia-smi shows 2 GPU.* but torch .* cannot use them.*CUDA_VISIBLE_DEVICES="
     ):
         dt.resolve_world_size(0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU on purpose
@@ -152,8 +153,6 @@ def test_gpus_torch_cannot_use_stop_the_run_unless_the_cpu_is_asked_for(tmp_path
 
 
 def test_gpus_torch_cannot_use_are_one_line_before_anything_starts(tmp_path, monkeypatch):
-    from tests.conftest import run_script
-
     fake_nvidia_smi(tmp_path, monkeypatch)
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     result = run_script("--dataset=synthetic", f"--output_dir={tmp_path / 'out'}", env=env)
@@ -163,9 +162,7 @@ def test_gpus_torch_cannot_use_are_one_line_before_anything_starts(tmp_path, mon
 
 
 def test_a_rank_whose_launcher_is_already_gone_leaves_at_once():
-    """The launcher can die between spawning a rank and the rank asking to die with it."""
-    code = "import distribute_tools as dt; dt._die_with_launcher(1); print('still here')"
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=dt.__file__.rsplit("/", 1)[0]
-    )
-    assert result.returncode == dt.EXIT_STOPPED and "still here" not in result.stdout
+    """The launcher can die between starting a rank and the rank asking to die with it."""
+    code = "import processes; processes.die_with_parent(1); print('still here')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == processes.EXIT_PREEMPTED and "still here" not in result.stdout

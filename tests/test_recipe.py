@@ -1,16 +1,19 @@
 """The recipe's switches: label smoothing, flip test-time augmentation, and the seed's recipe end to end."""
 
 import os
+import shutil
 
 import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
 
+import resume
 import train_distribute as td
-from distribute_tools import UserError, cleanup, free_port, setup
+from distribute_tools import cleanup, setup
 from outputs import load_checkpoint
-from tests.conftest import TINY, run_script
+from processes import UserError, free_port
+from tests.conftest import TINY, read_config, run_script
 
 
 @pytest.fixture
@@ -20,7 +23,7 @@ def one_rank():
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     d = setup(0, 1, timeout_s=60)
     yield d
-    cleanup(finished=True)
+    cleanup(every_rank_leaves=True)
     os.environ.clear()
     os.environ.update(saved)
 
@@ -28,7 +31,7 @@ def one_rank():
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
 def test_label_smoothing_is_the_constants(smoothing):
     logits, targets = torch.randn(16, 10), torch.randint(10, (16,))
-    loss = td.loss_function(td.read_config([f"--label_smoothing={smoothing}"]))(logits, targets)
+    loss = td.loss_function(read_config([f"--label_smoothing={smoothing}"]))(logits, targets)
     log_p = F.log_softmax(logits, dim=1)
     smooth_target = torch.full_like(log_p, smoothing / 10).scatter_(1, targets[:, None], 1 - smoothing + smoothing / 10)
     torch.testing.assert_close(loss, -(smooth_target * log_p).sum(1).mean())
@@ -36,9 +39,9 @@ def test_label_smoothing_is_the_constants(smoothing):
 
 def test_tta_switch_averages_each_image_with_its_mirror(reference_run, one_rank):
     out, _, _ = reference_run
-    cfg = td.read_config([*TINY, "--world_size=1", f"--output_dir={out}", "--amp=False"])
+    cfg = read_config([*TINY, "--world_size=1", f"--output_dir={out}", "--amp=False"])
     run = td.build_run(cfg, one_rank, launched_at=0.0)
-    td.restore(run, load_checkpoint(str(out)))
+    run.model.load_state_dict(load_checkpoint(str(out))["model"])
     results = {}
     for tta in (False, True):
         run.cfg.TTA = tta
@@ -54,15 +57,19 @@ def test_tta_switch_averages_each_image_with_its_mirror(reference_run, one_rank)
     assert results[True][0] != results[False][0]
 
 
-def test_a_resume_on_other_data_is_refused(reference_run, one_rank):
-    """Same settings, but a training set of another size (an image folder that changed): one line."""
+def test_a_resume_on_other_data_is_refused(reference_run, one_rank, tmp_path):
+    """Same settings, but other images (an image folder that changed): one line, and nothing is loaded."""
     out, _, _ = reference_run
-    cfg = td.read_config([*TINY, "--world_size=1", f"--output_dir={out}", "--amp=False"])
+    folder = tmp_path / "out"
+    shutil.copytree(out, folder)
+    cfg = read_config([*TINY, "--world_size=1", "--epochs=5", f"--output_dir={folder}", "--amp=False", "--resume=True"])
     run = td.build_run(cfg, one_rank, launched_at=0.0)
-    state = load_checkpoint(str(out))
-    state["steps_per_epoch"] += 3
-    with pytest.raises(UserError, match=f"an epoch now has {run.steps_per_epoch} steps, the checkpoint's "):
-        td.restore(run, state)
+    other = {**run.data, "identity": run.data["identity"].replace("600 train", "600 other train")}
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    with pytest.raises(UserError, match="was trained on other data .*; resume on the same data"):
+        with resume.start(cfg, one_rank, other, run.model, run.optimizer):
+            pass
+    assert all(torch.equal(before[k], v) for k, v in run.model.state_dict().items())
 
 
 def test_seed_recipe_runs_end_to_end(tmp_path):

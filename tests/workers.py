@@ -1,5 +1,6 @@
-"""Worker functions for tests that start real processes. They live in a module of their own because
-spawned processes find a worker by importing the module that defines it."""
+"""Worker functions for tests that start real rank processes, and the calls that start them (each called in a
+process forked from the test server: tests.conftest.call). They live in a module of their own because a spawned
+process finds its worker by importing the module that defines it."""
 
 import json
 import os
@@ -9,13 +10,25 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import distribute_tools
+import outputs
+import processes
 import train_distribute as td
-from distribute_tools import barrier, cleanup, setup
-from outputs import load_checkpoint
+from distribute_tools import cleanup, setup
+from tests.conftest import read_config
 
 # A tiny run: synthetic images, no augmentation noise between runs that are compared.
 TINY_ARGS = ["--dataset=synthetic", "--synthetic_size=512", "--amp=False", "--augment=False", "--epochs=1"]
 STEP_ARGS = [*TINY_ARGS, "--width=4", "--batch_size=256"]
+
+
+def start(worker_name: str, world_size: int, *args) -> int:
+    """What conftest.call runs: the worker of this module on `world_size` ranks; the run's exit code."""
+    return distribute_tools.run_distribute(globals()[worker_name], world_size, *args)
+
+
+def thread_names() -> list[str]:
+    return sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
 
 
 def report_worker(rank: int, world_size: int, out_dir: str) -> None:
@@ -32,34 +45,37 @@ def report_worker(rank: int, world_size: int, out_dir: str) -> None:
         "is_main": info.is_main,
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(facts))
-    cleanup(finished=True)
+    cleanup(every_rank_leaves=True)
 
 
 def raising_worker(rank: int, world_size: int) -> None:
-    setup(rank, world_size, timeout_s=60)
-    try:
+    with distribute_tools.process_group(rank, world_size, 60):
         if rank == 1:
             raise RuntimeError("raised on purpose by the test")
-        barrier()  # rank 0 waits for a rank that never comes
-    finally:
-        cleanup(finished=False)
+        distribute_tools.all_ranks_meet()  # rank 0 waits for a rank that never comes
 
 
 def hanging_worker(rank: int, world_size: int, timeout_s: float) -> None:
-    setup(rank, world_size, timeout_s=timeout_s)
-    if rank == 1:
-        time.sleep(600)  # stuck outside any collective (a deadlock, a stalled disk...)
-    barrier()  # rank 0 waits in a collective: it must give up after timeout_s
+    with distribute_tools.process_group(rank, world_size, timeout_s):
+        if rank == 1:
+            time.sleep(600)  # stuck outside any collective (a deadlock, a stalled disk...)
+        distribute_tools.all_ranks_meet()  # rank 0 waits in a collective: it must give up after timeout_s
+
+
+def trained_worker(rank: int, world_size: int, argv: list, out_dir: str) -> None:
+    """The project's whole rank (main_worker); afterwards, which threads the process still has."""
+    td.main_worker(rank, world_size, read_config(argv), time.time())
+    Path(out_dir, f"threads{rank}.json").write_text(json.dumps(thread_names()))
 
 
 def tiny_run(rank: int, world_size: int, argv: list) -> td.Run:
     info = setup(rank, world_size, timeout_s=120)
-    return td.build_run(td.read_config(argv), info, launched_at=time.time())
+    return td.build_run(read_config(argv), info, launched_at=time.time())
 
 
 def one_step(run: td.Run, global_batch: int, model: nn.Module | None = None) -> None:
-    """One optimizer step of the project's train_step on this rank's share of the first global batch;
-    with `model`, that network (wrapped in DDP like the project's) replaces the ResNet."""
+    """One optimizer step of the project's train_step on this rank's share of the first global batch; with
+    `model`, that network (wrapped in DDP like the project's) replaces the ResNet."""
     if model is not None:
         run.model = model
         run.ddp_model = nn.parallel.DistributedDataParallel(model)
@@ -71,12 +87,12 @@ def one_step(run: td.Run, global_batch: int, model: nn.Module | None = None) -> 
 
 
 def steps_worker(rank: int, world_size: int, variants: dict, global_batch: int, out: str) -> None:
-    """One step of the project's code per variant {name: (extra settings, without_batchnorm)}, each from
-    the same start; rank 0 saves the gradients, weights and BatchNorm statistics of each."""
+    """One step of the project's code per variant {name: (extra settings, without_batchnorm)}, each from the same
+    start; rank 0 saves the gradients, weights and BatchNorm statistics of each."""
     info = setup(rank, world_size, timeout_s=120)
     results = {}
     for name, (extra, without_batchnorm) in variants.items():
-        run = td.build_run(td.read_config([*STEP_ARGS, *extra]), info, launched_at=time.time())
+        run = td.build_run(read_config([*STEP_ARGS, *extra]), info, launched_at=time.time())
         plain = None
         if without_batchnorm:
             torch.manual_seed(0)
@@ -88,30 +104,37 @@ def steps_worker(rank: int, world_size: int, variants: dict, global_batch: int, 
         results[name] = {**grads, **{key: v.detach().clone() for key, v in run.model.state_dict().items()}}
     if info.is_main:
         torch.save(results, out)
-    cleanup(finished=True)
+    cleanup(every_rank_leaves=True)
 
 
-def widths_worker(rank: int, world_size: int, widths: list, out: str) -> None:
+def widths_worker(rank: int, world_size: int, widths: list, settings: list, out: str) -> None:
     """An epoch and an evaluation of the project's code at each width: no width may crash a rank."""
     info = setup(rank, world_size, timeout_s=120)
     finished = []
     for width in widths:
-        argv = [*TINY_ARGS, f"--width={width}", f"--batch_size={16 * world_size}"]
-        run = td.build_run(td.read_config(argv), info, launched_at=time.time())
+        run = td.build_run(read_config([*TINY_ARGS, f"--width={width}", *settings]), info, launched_at=time.time())
         (loss_sum, _, images), _, _ = td.train_epoch(run, epoch=1)
         _, acc = td.evaluate(run)
         assert loss_sum / images > 0 and 0 <= acc <= 1
         finished.append(width)
     if info.is_main:
         Path(out).write_text(json.dumps(finished))
-    cleanup(finished=True)
+    cleanup(every_rank_leaves=True)
 
 
 def evaluate_worker(rank: int, world_size: int, argv: list, out_path: str) -> None:
     """Evaluates the checkpoint in OUTPUT_DIR with the project's evaluate()."""
     run = tiny_run(rank, world_size, argv)
-    td.restore(run, load_checkpoint(run.cfg.OUTPUT_DIR))
+    run.model.load_state_dict(outputs.load_checkpoint(run.cfg.OUTPUT_DIR)["model"])
     loss, acc = td.evaluate(run)
     if run.dist_info.is_main:
         Path(out_path).write_text(json.dumps({"loss": loss, "acc": acc, "images": len(run.test_data)}))
-    cleanup(finished=True)
+    cleanup(every_rank_leaves=True)
+
+
+def rank_exit_codes(argv: list, out_dir: str) -> None:
+    """In a new interpreter (tests/test_exits.py): a whole training run, its ranks spawned as a user's are;
+    writes each rank process's own exit code, as the operating system reported it."""
+    os.environ.pop("MASTER_PORT", None)
+    codes, _ = processes.run_ranks(trained_worker, 2, (argv, out_dir), "127.0.0.1", processes.free_port())
+    Path(out_dir, "codes.json").write_text(json.dumps(codes))

@@ -1,0 +1,381 @@
+"""Starting, stopping and reporting the rank processes: the machinery beneath distribute_tools.run_distribute.
+
+A reader adapting the template can skip this file. What it guarantees:
+    exit codes     0 every rank finished; 2 a problem the user can fix (one line); 75 stopped by SIGTERM or
+                   SIGUSR1 (resumable); 130 Ctrl-C; 1 anything else (the rank's traceback, or how it died)
+    signals        held back while a rank starts (no traceback from a rank still importing torch); then
+                   every rank stops together, finishing its files first; ignored once a rank has finished
+    failures       one rank failing stops the others within seconds; no rank outlives its launcher
+    ports          a free port unless MASTER_PORT is set; a MASTER_PORT that cannot work is one line
+"""
+
+import datetime
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing import connection, resource_tracker
+from typing import Any
+
+import torch.distributed as dist
+
+EXIT_USER_ERROR = 2  # a problem the user can fix, reported in one line (as argparse exits on a bad argument)
+EXIT_PREEMPTED = 75  # SIGTERM or SIGUSR1, a scheduler's stop or warning: resumable (sysexits' EX_TEMPFAIL)
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report it
+EXIT_PORT_TAKEN = 4  # rank 0 lost the free port it was given to another program: the launcher tries another
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+CANCEL_SIGNAL = signal.SIGUSR2  # the launcher's "another rank failed: finish your files and leave quietly"
+GRACE_SECONDS = 30  # how long a rank may take to finish its files once asked to stop, before it is killed
+# spawn: a fresh interpreter per rank, what CUDA needs. The tests fork ranks from a process that has
+# imported torch once (tests/server.py): the same code, without seconds of imports per rank.
+START_METHOD = "spawn"
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo, when a peer is gone
+
+
+class UserError(Exception):
+    """A problem the user can fix, printed as one line without a traceback. Raise it only for a condition
+    that every rank sees alike, so that all ranks stop together."""
+
+
+class Preempted(BaseException):
+    """SIGTERM or SIGUSR1 reached this rank: the run is being stopped and can resume later."""
+
+
+class Cancelled(BaseException):
+    """The launcher is ending the run because another rank failed: leave quietly."""
+
+
+_stop_signal: list[int] = []  # the stop signal this rank received, if any
+_launcher_pid: list[int] = []  # the process that spawned this rank (empty under torchrun)
+_finished: list[bool] = []  # set once the rank's work is done
+
+
+# ----------------------------------------------------------------------------- the launcher
+
+
+def launch(worker: Callable[..., None], world_size: int, args: tuple) -> int:
+    """Start `world_size` rank processes on this machine, wait for them, and return the run's exit code.
+    Stop signals stay ignored afterwards: a late Ctrl-C cannot turn a finished run into an interrupted one."""
+    address = os.environ.get("MASTER_ADDR", "127.0.0.1")  # loopback: hostnames do not always resolve
+    users_port = check_master_port(address, os.environ.get("MASTER_PORT"))
+    try:
+        for _ in range(3):  # a port found free can be taken by another program before rank 0 binds it
+            codes, stop = run_ranks(worker, world_size, args, address, users_port or free_port())
+            if EXIT_PORT_TAKEN not in codes.values():
+                return _explain(codes, stop)
+        if users_port:
+            print_error(f"error: MASTER_PORT={users_port} was taken by another program; unset MASTER_PORT")
+        else:
+            print_error("error: another program took the free port three times; try again")
+        return EXIT_USER_ERROR
+    finally:
+        ignore_stop_signals()
+
+
+def check_master_port(address: str, port: str | None) -> int | None:
+    """The user's MASTER_PORT as a number (None: pick a free one); UserError if it cannot work."""
+    if port is None or port.strip() == "0":  # 0 asks for any free port, as it does of bind()
+        return None
+    if not port.strip().isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"MASTER_PORT={port!r} is not a port number (1-65535); unset it to use a free port")
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the process group's store binds it
+        try:
+            probe.bind((address, int(port)))
+        except OSError as e:
+            raise UserError(
+                f"MASTER_PORT={port} on MASTER_ADDR={address} cannot be used ({e.strerror}); unset MASTER_PORT "
+                f"to use a free port, or choose another"
+            ) from None
+    return int(port)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(
+    worker: Callable[..., None], world_size: int, args: tuple, address: str, port: int
+) -> tuple[dict[int, int], int]:
+    """Start the rank processes and wait for all of them: each rank's exit code (in the order they ended) and
+    the stop signal passed on to them, if any."""
+    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))  # the ranks inherit them
+    resource_tracker.ensure_running()  # started now: starting it later would unblock SIGINT and SIGTERM
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited: ranks start with them held back
+    try:
+        context = multiprocessing.get_context(START_METHOD)
+        ranks = [
+            context.Process(target=_rank_entry, args=(rank, worker, world_size, args, os.getpid()))
+            for rank in range(world_size)
+        ]
+        for rank in ranks:
+            rank.start()
+        received: list[int] = []
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda signum, frame: received.append(signum))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal that came meanwhile is delivered now
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.update({name: value})
+    return _supervise(ranks, received)
+
+
+def _supervise(ranks: list, received: list[int]) -> tuple[dict[int, int], int]:
+    """Wait for every rank. A stop signal to the launcher (or passed up by a rank) goes to every rank; the
+    first rank to fail makes the launcher cancel the others. Each rank gets GRACE_SECONDS to finish its
+    files, then SIGKILL."""
+    codes: dict[int, int] = {}  # rank -> exit code, in the order the ranks ended
+    forwarded, deadline = 0, float("inf")
+    while len(codes) < len(ranks):
+        connection.wait([p.sentinel for p in ranks if p.exitcode is None], timeout=0.1)
+        for rank, process in enumerate(ranks):
+            if rank not in codes and process.exitcode is not None:
+                codes[rank] = process.exitcode
+        failed = [code for code in codes.values() if code not in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED)]
+        if received and not forwarded:
+            forwarded, deadline = received[0], time.monotonic() + GRACE_SECONDS
+            _signal_alive(ranks, forwarded)
+        elif failed and deadline == float("inf"):
+            deadline = time.monotonic() + GRACE_SECONDS
+            _signal_alive(ranks, CANCEL_SIGNAL)
+        if time.monotonic() > deadline:
+            _signal_alive(ranks, signal.SIGKILL)
+    return codes, forwarded
+
+
+def _signal_alive(ranks: list, signum: int) -> None:
+    for process in ranks:
+        if process.exitcode is None:
+            try:
+                os.kill(process.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _explain(codes: dict[int, int], forwarded: int) -> int:
+    """The run's exit code from the first rank that failed; one line unless that rank printed its own."""
+    if all(code == 0 for code in codes.values()):
+        return 0  # every rank finished; a signal that came afterwards changes nothing
+    if forwarded:  # rank 0 said what was kept
+        return EXIT_INTERRUPTED if forwarded == signal.SIGINT else EXIT_PREEMPTED
+    rank, code = next((rank, code) for rank, code in codes.items() if code != 0)
+    if code in (EXIT_USER_ERROR, EXIT_PORT_TAKEN, EXIT_PREEMPTED, EXIT_INTERRUPTED):
+        return code
+    if code < 0:
+        name = signal.Signals(-code).name
+        hint = " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if name == "SIGKILL" else ""
+        print_error(f"error: rank {rank} was killed by {name}{hint}; stopped the other ranks")
+    else:
+        print_error(f"error: rank {rank} exited with code {code}; stopped the other ranks")
+    return 1
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def _rank_entry(rank: int, worker: Callable[..., None], world_size: int, args: tuple, launcher_pid: int) -> None:
+    _launcher_pid.append(launcher_pid)
+    die_with_parent(launcher_pid)
+    sys.exit(run_rank(rank, worker, world_size, args))
+
+
+def run_rank(rank: int, worker: Callable[..., None], world_size: int, args: tuple) -> int:
+    """Run worker(rank, world_size, *args) in this process and return its exit code; a failure the worker
+    did not report is reported here."""
+    if not _launcher_pid:  # started by torchrun, which must not leave it behind either
+        die_with_parent(None)
+    try:
+        worker(rank, world_size, *args)
+        code = 0
+    except BaseException as error:  # every way out of a rank becomes an exit code
+        report(error, rank)
+        code = exit_code(error)
+        if os.environ.get("TORCHELASTIC_RUN_ID"):
+            _tell_torchrun(error)
+    ignore_stop_signals()  # leaving: a signal now must not turn into "killed by ..."
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+def report(error: BaseException, rank: int) -> None:
+    """Once per error: a stop as rank 0's one line, a UserError as one line per machine, a lost peer as one
+    line, anything unexpected as the rank's traceback; lines of ranks other than 0 start with the rank."""
+    if getattr(error, "reported", False) or isinstance(error, (Cancelled, SystemExit)):
+        return
+    error.reported = True  # type: ignore[attr-defined]
+    tag, stop = "" if rank == 0 else f"[rank {rank}] ", _stopped_by(error)
+    if stop:
+        if rank == 0:
+            hint = getattr(error, "resume_hint", "it stopped before training began; nothing in OUTPUT_DIR changed")
+            print_error(f"{'interrupted' if stop == signal.SIGINT else f'stopped by {stop.name}'}: {hint}")
+    elif isinstance(error, UserError):
+        if os.environ.get("LOCAL_RANK", str(rank)) == "0":
+            print_error(f"{tag}error: {error}")
+    elif any(text in str(error) for text in PEER_LOST):
+        print_error(f"[rank {rank}] stopped: another rank failed or was stopped ({first_line(error)})")
+    elif not (rank == 0 and _launcher_pid and port_taken(error)):  # the launcher tries another port
+        lines = [f"failed with {type(error).__name__}:", *traceback.format_exception(error)]
+        print_error("\n".join(f"[rank {rank}] {line}" for text in lines for line in text.rstrip().splitlines()))
+
+
+def exit_code(error: BaseException) -> int:
+    stop = _stopped_by(error)
+    if stop:
+        return EXIT_INTERRUPTED if stop == signal.SIGINT else EXIT_PREEMPTED
+    if isinstance(error, UserError):
+        return EXIT_USER_ERROR
+    if isinstance(error, SystemExit):
+        return error.code if isinstance(error.code, int) else 0 if error.code is None else 1
+    if _launcher_pid and port_taken(error):
+        return EXIT_PORT_TAKEN
+    return 1
+
+
+def _stopped_by(error: BaseException) -> signal.Signals | None:
+    """The stop signal this rank received (whatever the error it caused: a peer that stopped first, say)."""
+    if _stop_signal:
+        return signal.Signals(_stop_signal[0])
+    return signal.SIGINT if isinstance(error, KeyboardInterrupt) else None
+
+
+def refuse_to_start(error: UserError) -> int:
+    """A problem found before training: one line (once per machine under torchrun); the exit code."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print_error(f"error: {error}")
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        _tell_torchrun(error)
+    return EXIT_USER_ERROR
+
+
+def handle_stop_signals() -> None:
+    """From here on SIGINT raises KeyboardInterrupt and SIGTERM or SIGUSR1 raise Preempted, once (a second
+    signal must not cut short the files being finished), and the stop reaches the whole run: a spawned rank
+    passes it to its launcher, which passes it to every rank. Under torchrun SIGUSR1 goes to torchrun as
+    SIGTERM, which stops every worker instead of restarting them (torchrun itself dies of SIGUSR1).
+    CANCEL_SIGNAL raises Cancelled. Signals held back while the rank started are delivered now."""
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if signum == CANCEL_SIGNAL:
+            raise Cancelled
+        if _stop_signal:
+            return
+        _stop_signal.append(signum)
+        if _finished:  # noted (a peer that leaves now is no failure), not raised: there is nothing left to stop
+            return
+        if _launcher_pid:
+            os.kill(_launcher_pid[0], signum)
+        elif signum == signal.SIGUSR1 and os.environ.get("TORCHELASTIC_RUN_ID"):
+            os.kill(os.getppid(), signal.SIGTERM)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Preempted(signal.Signals(signum).name)
+
+    for sig in (*STOP_SIGNALS, CANCEL_SIGNAL):
+        signal.signal(sig, on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def finished() -> None:
+    """This rank's work is done and its files are written: a stop signal from now on changes nothing."""
+    _finished.append(True)
+
+
+def ignore_stop_signals() -> None:
+    for sig in (*STOP_SIGNALS, CANCEL_SIGNAL):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _tell_torchrun(error: BaseException) -> None:
+    """torchrun's failure report shows the message of TORCHELASTIC_ERROR_FILE: our one line. A UserError
+    fails the same way after a restart: if torchrun has restarts left, local rank 0 asks it to stop."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and isinstance(error, UserError):
+        import json
+
+        with open(path, "w") as f:
+            json.dump({"message": f"error: {error}", "timestamp": int(time.time())}, f)
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count()
+    if isinstance(error, UserError) and restarts_left > 0 and os.environ.get("LOCAL_RANK") == "0":
+        os.kill(os.getppid(), signal.SIGTERM)  # torchrun restarts after a failed worker, never after SIGTERM
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """A rank must not outlive its launcher or torchrun (`kill -9` of it), holding the GPU and the
+    OUTPUT_DIR lock: Linux sends it SIGKILL when the parent dies. A parent already gone: leave now."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(EXIT_PREEMPTED)  # nothing of ours ran yet: no file to finish
+
+
+# ----------------------------------------------------------------------------- small things
+
+
+def restart_count() -> int:
+    """How often torchrun (TORCHELASTIC_RESTART_COUNT) or SLURM (SLURM_RESTART_COUNT, a requeued job) has
+    restarted this run; 0 for a first start."""
+    return max(int(os.environ.get(name, "0") or 0) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+def port_taken(error: BaseException) -> bool:
+    return "EADDRINUSE" in str(error) or "Address already in use" in str(error)
+
+
+def first_line(error: BaseException, limit: int = 160) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
+
+
+def print_error(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def process_start_time() -> float:
+    """When this process started, on the time.time() clock (Linux; elsewhere: now): Python and torch take
+    seconds to import before any code of ours runs, and run clocks start at the very beginning."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks_after_boot = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        seconds_since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks_after_boot / os.sysconf("SC_CLK_TCK")
+        return time.time() - seconds_since_start
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+
+
+def torchrun_store(rank: int, world_size: int, timeout_s: float) -> tuple[dist.Store | None, int]:
+    """Under torchrun: the process group's keys in a part of torchrun's store that no earlier attempt of this
+    job used, and that attempt's number. torchrun keeps one store for the whole job and the group's key names
+    repeat in every attempt: without this, a restarted rank can read the address a dead attempt left and
+    fail ("Connection refused") or hang. (None, 0) where torchrun shares no store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None, 0
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if rank == 0:  # draws a number never drawn before, and confirms each rank that read the live one
+        attempt = store.add("attempt/counter", 1)
+        store.set("attempt/current", str(attempt))
+        for other in range(1, world_size):
+            hello = f"attempt/{attempt}/hello/{other}"
+            store.wait([hello])
+            store.set(f"attempt/{attempt}/confirmed/{other}/{store.get(hello).decode()}", "1")
+        return dist.PrefixStore(f"attempt-{attempt}/", store), attempt
+    token, deadline = os.urandom(8).hex(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:  # a number a dead attempt left is never confirmed: read it again
+        store.wait(["attempt/current"])
+        attempt = int(store.get("attempt/current"))
+        store.set(f"attempt/{attempt}/hello/{rank}", token)
+        try:
+            store.wait([f"attempt/{attempt}/confirmed/{rank}/{token}"], datetime.timedelta(seconds=2))
+            return dist.PrefixStore(f"attempt-{attempt}/", store), attempt
+        except RuntimeError:  # DistStoreError on a timeout: a stale number
+            continue
+    raise RuntimeError(f"rank {rank}: rank 0 did not start its attempt within {timeout_s:.0f} s")

@@ -1,0 +1,241 @@
+"""Which checkpoint a run continues, and one run per OUTPUT_DIR. The training script calls:
+
+    resume.check_before_start(cfg)                  in the launcher: OUTPUT_DIR usable and free; with
+                                                    --resume, a readable checkpoint of the same settings
+    with resume.start(cfg, dist_info, data, model, optimizer) as history:   on every rank: a new run moves
+                                                    earlier results aside and gets []; a resumed one gets its
+                                                    weights and optimizer state, and the rows of its epochs
+    resume.run_ids()                                what a checkpoint is saved under
+
+Which checkpoint: RESUME=True continues the one in OUTPUT_DIR; a run restarted by torchrun or SLURM continues
+its own run's newest checkpoint by itself. OUTPUT_DIR may be a local disk: each machine says which epoch its
+folder holds, and global rank 0 (wherever it now is) receives the newest and writes from then on.
+"""
+
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import config
+import outputs
+import processes
+from distribute_tools import DistInfo, all_ranks_try, under_torchrun
+from processes import UserError
+
+LOCK_NAME = ".lock"
+
+
+def run_ids() -> dict[str, str]:
+    """Every name of this run that survives a restart (torchrun's run id, SLURM's job id): a checkpoint
+    carries them, so that a restart continues its own run's checkpoint and no other."""
+    names = {"torchrun": "TORCHELASTIC_RUN_ID", "slurm": "SLURM_JOB_ID"}
+    return {kind: os.environ[name] for kind, name in names.items() if os.environ.get(name)}
+
+
+def check_before_start(cfg: SimpleNamespace) -> None:
+    """OUTPUT_DIR is (or can become) a writable folder that no other run holds, and a --resume finds a
+    checkpoint of the same settings. Creates nothing."""
+    folder = os.path.abspath(cfg.OUTPUT_DIR)
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"OUTPUT_DIR {cfg.OUTPUT_DIR} cannot be a folder: {existing} is a file; choose another")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"OUTPUT_DIR {cfg.OUTPUT_DIR} is not writable ({existing}); choose another --output_dir")
+    if os.path.exists(os.path.join(folder, LOCK_NAME)):
+        lock_output_dir(cfg.OUTPUT_DIR, same_run_wait_s=0).close()
+    if cfg.RESUME and processes.restart_count() == 0:
+        config.check_resume(_read(cfg.OUTPUT_DIR)["config"], cfg)
+
+
+@contextmanager
+def start(
+    cfg: SimpleNamespace, dist_info: DistInfo, data: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> Iterator[list[dict[str, float]]]:
+    """Rank 0 holds OUTPUT_DIR's lock for the whole run (another run's lock stops every rank). A resumed run's
+    model and optimizer get the checkpoint's state; yields the rows of the epochs already done ([] for a new
+    run). `data`: what identifies the data the run trains on; a checkpoint of other data is refused. A stop
+    or failure learns what can be resumed."""
+    lock = all_ranks_try(lambda: lock_output_dir(cfg.OUTPUT_DIR) if dist_info.is_main else None)
+    try:
+        checkpoint, source = _newest_checkpoint(cfg, dist_info)
+        saved = checkpoint.get("data", {}).get("identity", "none recorded") if checkpoint else data["identity"]
+        if saved != data["identity"]:
+            raise UserError(
+                f"the checkpoint in {cfg.OUTPUT_DIR} was trained on other data (images and checksum: {saved}, now "
+                f"{data['identity']}); resume on the same data, or start a new run without --resume"
+            )
+        if dist_info.is_main:
+            _prepare_output_dir(cfg, checkpoint, source)
+        try:
+            yield _restore(checkpoint, model, optimizer) if checkpoint else []
+        except BaseException as error:
+            if dist_info.is_main:
+                error.resume_hint = _resume_hint(cfg.OUTPUT_DIR)  # type: ignore[attr-defined]
+            raise
+    finally:
+        if lock is not None:
+            lock.close()  # releases it
+
+
+def _restore(checkpoint: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, float]]:
+    model.load_state_dict(checkpoint["model"])
+    for saved, current in zip(checkpoint["optimizer"]["param_groups"], optimizer.param_groups, strict=True):
+        saved.update(fused=current.get("fused"), foreach=current.get("foreach"))  # this machine's kernels
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    return list(checkpoint["history"])
+
+
+def _newest_checkpoint(cfg: SimpleNamespace, dist_info: DistInfo) -> tuple[dict[str, Any] | None, int]:
+    """With RESUME, or after a restart: the newest checkpoint on any machine, read where it lies (once) and
+    sent to every rank, and the rank it came from. Every rank takes part: whether this is a restart is
+    decided from what all ranks know."""
+    here = dist_info.local_rank == 0 and os.path.isfile(os.path.join(cfg.OUTPUT_DIR, outputs.CHECKPOINT_NAME))
+    mine = all_ranks_try(lambda: _read(cfg.OUTPUT_DIR, strict=cfg.RESUME) if here else None)
+    epoch, saved_by = (int(mine["epoch"]), mine.get("run_ids", {})) if mine else (-1, {})
+    everyone: list[Any] = [None] * dist_info.world_size
+    dist.all_gather_object(everyone, (epoch, saved_by, dist_info.restarted))
+    restarted = any(flag for _, _, flag in everyone)
+    if not (cfg.RESUME or restarted):
+        return None, 0
+    ours = run_ids()  # a restart continues its own run only: another machine may hold an older run's checkpoint
+    same_run = [cfg.RESUME or not ours or any(s.get(k) == v for k, v in ours.items()) for _, s, _ in everyone]
+    epochs = [e if same else -1 for (e, _, _), same in zip(everyone, same_run, strict=True)]
+    if max(epochs) < 0:
+        if restarted:
+            return None, 0  # restarted before its first checkpoint: it starts again
+        raise UserError(_no_checkpoint_message(cfg.OUTPUT_DIR))
+    source = epochs.index(max(epochs))
+    shared = [mine if dist_info.rank == source else None]
+    dist.broadcast_object_list(shared, src=source)
+    config.check_resume(shared[0]["config"], cfg)  # every rank holds it: every rank raises alike
+    return shared[0], source
+
+
+def _read(output_dir: str, strict: bool = True) -> dict[str, Any] | None:
+    """The checkpoint in output_dir, its tensors read when first used. strict: a missing or unreadable one is
+    a UserError; otherwise None."""
+    path = os.path.join(output_dir, outputs.CHECKPOINT_NAME)
+    if not os.path.isfile(path):
+        if strict:
+            raise UserError(_no_checkpoint_message(output_dir))
+        return None
+    try:
+        return outputs.load_checkpoint(output_dir, lazily=True)
+    except Exception as e:
+        if strict:
+            raise UserError(f"cannot read {path} ({type(e).__name__}); start a new run without --resume") from None
+        return None
+
+
+def _prepare_output_dir(cfg: SimpleNamespace, checkpoint: dict[str, Any] | None, source: int) -> None:
+    """Rank 0: a new run moves earlier results aside; a resumed one rewrites the CSV from its checkpoint (rows
+    written after it belong to an epoch that runs again), and keeps a checkpoint from another machine here."""
+    folder = cfg.OUTPUT_DIR
+    remove_temporaries(folder)
+    if checkpoint is None or source != 0:
+        moved = move_aside(folder)
+        whose = "older" if checkpoint else "earlier run's"
+        if moved:
+            print(f"moved the {whose} results in {folder} to {moved}")
+    if checkpoint is not None:
+        if source != 0:
+            outputs.save_checkpoint(checkpoint, folder)
+        outputs.write_csv(checkpoint["history"], folder)
+        where = f" (the checkpoint of rank {source}'s machine)" if source else ""
+        print(f"resuming after epoch {checkpoint['epoch']} of {cfg.EPOCHS}{where}", flush=True)
+
+
+def remove_temporaries(output_dir: str) -> None:
+    """Temporary files of a run killed in mid-write: never complete, never needed."""
+    for name in os.listdir(output_dir):
+        if name.startswith(tuple(f"{result}.tmp" for result in outputs.RESULT_FILES)):
+            os.remove(os.path.join(output_dir, name))
+
+
+def _resume_hint(output_dir: str) -> str:
+    """What a stopped run leaves to continue from (rank 0, once its files are finished)."""
+    epoch = outputs.checkpoint_epoch(output_dir)
+    if not epoch:
+        return "no epoch had finished, so there is nothing to resume; start the run again"
+    if under_torchrun():
+        return (
+            f"the files in {output_dir} are from epoch {epoch}; a torchrun restart or requeue continues from "
+            f"them by itself, a new torchrun command with --resume True"
+        )
+    return f"the files in {output_dir} are from epoch {epoch}: continue with --resume True"
+
+
+def move_aside(output_dir: str) -> str | None:
+    """A new run never overwrites an earlier one: its files move to OUTPUT_DIR/previous-<time>/."""
+    found = [name for name in outputs.RESULT_FILES if os.path.exists(os.path.join(output_dir, name))]
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(os.path.join(output_dir, found[0]))))
+    destination, suffix = os.path.join(output_dir, f"previous-{stamp}"), 1
+    while os.path.exists(destination):
+        suffix += 1
+        destination = os.path.join(output_dir, f"previous-{stamp}-{suffix}")
+    os.makedirs(destination)
+    for name in found:
+        shutil.move(os.path.join(output_dir, name), os.path.join(destination, name))
+    return destination
+
+
+def _no_checkpoint_message(output_dir: str) -> str:
+    """RESUME=True found nothing to resume: say where a later run moved the last checkpoint, if it did."""
+    folders = [os.path.join(output_dir, n) for n in os.listdir(output_dir)] if os.path.isdir(output_dir) else []
+    moved = [f for f in folders if os.path.basename(f).startswith("previous-")]
+    moved = [f for f in moved if os.path.exists(os.path.join(f, outputs.CHECKPOINT_NAME))]
+    latest = max(moved, key=lambda f: os.path.getmtime(os.path.join(f, outputs.CHECKPOINT_NAME)), default=None)
+    hint = f"; a later run moved the last one to {latest}: move its files back into {output_dir} to continue it"
+    return (
+        f"RESUME=True but there is no {os.path.join(output_dir, outputs.CHECKPOINT_NAME)}{hint if latest else ''}; "
+        f"or run without --resume to start a new run"
+    )
+
+
+def lock_output_dir(output_dir: str, same_run_wait_s: float = 60) -> IO[str]:
+    """The OS lock that makes this process the only writer of OUTPUT_DIR (held until the returned file is
+    closed or the process ends). Another run's lock is refused in one line; a restart of this same run (same
+    torchrun run id or SLURM job) waits for its previous attempt's processes to go."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create OUTPUT_DIR {output_dir} ({e.strerror}); choose another --output_dir") from None
+    path, ours = os.path.join(output_dir, LOCK_NAME), next(iter(run_ids().values()), "")
+    deadline = time.monotonic() + same_run_wait_s
+    while True:
+        try:
+            handle = outputs.lock_file(path, wait=False)
+            break
+        except OSError as e:
+            if not isinstance(e, BlockingIOError):  # a read-only file system, say
+                raise UserError(
+                    f"OUTPUT_DIR {output_dir} is not writable ({e.strerror}: {path}); choose another"
+                ) from None
+        with open(path) as f:
+            holder = dict(part.split("=", 1) for part in f.read().split() if "=" in part)
+        if not (ours and holder.get("run") == ours and time.monotonic() < deadline):
+            raise UserError(
+                f"OUTPUT_DIR {output_dir} is in use by another run (pid {holder.get('pid', '?')} on "
+                f"{holder.get('host', '?')}, since {holder.get('since', '?')}); wait for it to end or choose another"
+            )
+        time.sleep(0.5)
+    handle.seek(0)
+    handle.truncate()
+    handle.write(
+        f"pid={os.getpid()} host={socket.gethostname()} run={ours} since={time.strftime('%Y-%m-%d_%H:%M:%S')}\n"
+    )
+    handle.flush()
+    return handle
