@@ -14,8 +14,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import config
 import train_distribute as td
-from distribute_tools import cleanup, free_port, setup
+from distribute_tools import cleanup, setup
+from processes import free_port
 
 
 def main() -> None:
@@ -28,7 +30,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     info = setup(0, 1)
-    cfg = td.read_config(
+    cfg = config.read_config(
+        td.__file__,
         [
             "--dataset=synthetic",
             f"--synthetic_size={(args.steps + 5) * args.batch_size}",
@@ -36,7 +39,7 @@ def main() -> None:
             f"--batch_size={args.batch_size}",
             f"--compile={args.compile}",
             "--world_size=1",
-        ]
+        ],
     )
     run = td.build_run(cfg, info, launched_at=time.time())
     loss_fn = td.loss_function(cfg)
@@ -58,7 +61,7 @@ def main() -> None:
         f"{args.steps} steps of width {args.width}, batch {args.batch_size}{', compiled' if args.compile else ''}: "
         f"{wall:.3f} s wall clock, GPU busy {busy:.3f} s, idle share {100 * max(0.0, 1 - busy / wall):.1f}%"
     )
-    cleanup(finished=True)
+    cleanup(every_rank_leaves=True)
 
 
 def busy_seconds(profiler: profile) -> float:

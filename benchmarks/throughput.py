@@ -29,10 +29,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+import config
 import train_distribute as td
 from data import make_synthetic
 from distribute_tools import (
-    UserError,
+    all_ranks_peak_memory_mb,
     bf16_is_fast,
     choose_device,
     cleanup,
@@ -41,6 +42,7 @@ from distribute_tools import (
     run_distribute,
     setup,
 )
+from processes import UserError
 from resnet import ResNet
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, for the MFU line
@@ -109,10 +111,10 @@ def seed_pipeline_worker(rank: int, world_size: int, args: argparse.Namespace, b
             started = time.perf_counter()
     td.synchronize(info.device)
     seconds = time.perf_counter() - started
-    memory = td.peak_memory_mb(info.device)
+    memory = all_ranks_peak_memory_mb(info.device)
     if info.is_main:
         Path(result_path).write_text(f"{args.steps * args.batch_size / seconds} {memory}")
-    cleanup(finished=True)
+    cleanup(every_rank_leaves=True)
 
 
 def run_seed_pipeline(args: argparse.Namespace, world_size: int, best: bool) -> tuple[float, float]:
@@ -129,7 +131,8 @@ def run_seed_pipeline(args: argparse.Namespace, world_size: int, best: bool) -> 
 
 def run_project(args: argparse.Namespace, world_size: int) -> tuple[float, float, str]:
     with tempfile.TemporaryDirectory() as out:
-        cfg = td.read_config(
+        cfg = config.read_config(
+            td.__file__,
             [
                 "--dataset=synthetic",
                 f"--synthetic_size={args.steps * args.batch_size}",
@@ -140,7 +143,7 @@ def run_project(args: argparse.Namespace, world_size: int) -> tuple[float, float
                 f"--output_dir={out}",
                 f"--compile={args.compile}",
                 f"--amp={args.amp}",
-            ]
+            ],
         )
         if run_distribute(td.main_worker, world_size, cfg, time.time()) != 0:
             sys.exit("the project's training failed")
@@ -158,7 +161,9 @@ def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format
     torch.set_num_threads(cpu_cores())
     torch.backends.cudnn.benchmark = True  # as the project sets it
     model = ResNet(args.width).to(device, memory_format=memory_format)
-    optimizer = td.make_optimizer(td.read_config([]), model, device)  # the project's optimizer and kernels
+    optimizer = td.make_optimizer(
+        config.read_config(td.__file__, []), model, device
+    )  # the project's optimizer and kernels
     step_model = torch.compile(model) if args.compile else model
     x = torch.randn(args.batch_size, 3, 32, 32, device=device).contiguous(memory_format=memory_format)
     y = torch.randint(10, (args.batch_size,), device=device)
@@ -228,7 +233,9 @@ def main() -> None:
         f"({precision}{', compiled' if args.compile else ''})",
         flush=True,
     )
-    layout = td.choose_memory_format(device, args.width)
+    layout = (
+        torch.contiguous_format if device.type == "cpu" and args.width < 8 else torch.channels_last
+    )  # as the project
     other = torch.contiguous_format if layout == torch.channels_last else torch.channels_last
     ceiling, flops = compute_ceiling(args, layout)
     # One GPU per rank: the ceiling of N GPUs is N times one GPU's. CPU ranks share the cores the ceiling used.

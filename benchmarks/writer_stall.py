@@ -25,8 +25,8 @@ if os.environ.get("WRITE_IN_LINE") == "1":  # at the top level: spawned ranks ru
     class InLineWriter(outputs.ResultWriter):
         """The writes as they were: checkpoint, CSV and picture of every epoch before training goes on."""
 
-        def submit(self, snapshot: dict, history: list, ready: object = None) -> None:
-            outputs.save_checkpoint(snapshot, self.output_dir)
+        def submit(self, checkpoint: dict, history: list) -> None:
+            outputs.save_checkpoint(outputs.cpu_snapshot(checkpoint), self.output_dir)
             outputs.write_csv(history, self.output_dir)
             outputs.plot_history(history, self.output_dir)
             self.history, self.plotted_rows = list(history), len(history)

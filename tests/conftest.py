@@ -119,12 +119,17 @@ def launch(
     env: dict | None = None,
     cwd: Path | None = None,
     call: str | None = None,
+    module: str | None = None,
+    script: Path | None = None,
+    file_size_limit: int = 0,
     merge_output: bool = False,
     output: str | None = None,
     ignore_sigint: bool = False,
+    cpus: list[int] | None = None,
 ) -> Launched:
-    """`python train_distribute.py *args` (or call="module:function" with args), forked from the test server,
-    in a session of its own, so that a test can signal or kill all of it."""
+    """`python train_distribute.py *args` (or call="module:function" with args, or `python -m module *args`, or
+    `python script *args`), forked from the test server, in a session of its own, so that a test can signal or
+    kill all of it."""
     folder = tempfile.mkdtemp(prefix="run-")
     stdout = output or os.path.join(folder, "stdout")
     request = {
@@ -134,19 +139,50 @@ def launch(
         "stdout": stdout,
         "stderr": stdout if merge_output or output else os.path.join(folder, "stderr"),
         "ignore_sigint": ignore_sigint,
+        "cpus": cpus,
+        "file_size_limit": file_size_limit,
     }
     if call:
         request.update(call=call, args=list(args))
+    if module:
+        request.update(module=module)
+    if script:
+        request.update(script=str(script))
     return Launched(request)
 
 
+def start_torchrun(*args: str, real: bool = False, cwd: Path | None = None, cpus: list[int] | None = None):
+    """`torchrun *args train_distribute.py ...` (args hold the script), in a session of its own, output merged.
+    Unless real: torchrun's own code forked from the test server, its workers forked from it (--run-path
+    --start-method=fork: the script runs in each worker as `python script.py` would run it)."""
+    if real:
+        return subprocess.Popen(
+            torchrun_command(*args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=clean_env(),
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
+    fast = ["--run-path", "--start-method=fork", *args]
+    return launch(*fast, module="torch.distributed.run", merge_output=True, cwd=cwd, cpus=cpus)
+
+
 def run_script(
-    *args: str, timeout: float = HANG_TIMEOUT, env: dict | None = None, cwd: Path | None = None, real: bool = False
+    *args: str,
+    timeout: float = HANG_TIMEOUT,
+    env: dict | None = None,
+    cwd: Path | None = None,
+    real: bool = False,
+    script: Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """The script with these arguments, to its end. real=True: in a new interpreter, as a user starts it."""
+    """The script (train_distribute.py, or a copy) with these arguments, to its end. real=True: in a new
+    interpreter, as a user starts it."""
     if real:
         return subprocess.run(
-            [sys.executable, str(SCRIPT), *args],
+            [sys.executable, str(script or SCRIPT), *args],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -154,7 +190,7 @@ def run_script(
             cwd=cwd or ROOT,
             stdin=subprocess.DEVNULL,
         )
-    run = launch(*args, env=env, cwd=cwd)
+    run = launch(*args, env=env, cwd=cwd, script=script)
     out, err = run.communicate(timeout=timeout)
     return subprocess.CompletedProcess(list(args), run.returncode, out, err)
 
@@ -234,10 +270,9 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
-    """One uninterrupted 2-rank run of 5 epochs that several tests inspect, and its wall-clock seconds: started as a
-    user starts it (a new interpreter, ranks spawned)."""
+    """One uninterrupted 2-rank run of 5 epochs that several tests inspect, and its wall-clock seconds."""
     out = tmp_path_factory.mktemp("reference") / "out"
     started = time.monotonic()
-    result = run_script(*TINY, "--epochs=5", f"--output_dir={out}", real=True)
+    result = run_script(*TINY, "--epochs=5", f"--output_dir={out}")
     assert result.returncode == 0, result.stdout + result.stderr
     return out, result, time.monotonic() - started

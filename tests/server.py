@@ -9,17 +9,25 @@ launcher and for every rank. The reference run, `--help`, the exit-code test and
 (and the ranks' spawn).
 
 Protocol: one JSON request per line on stdin, one JSON answer per line on stdout.
-    {"start": {...}}   fork a run; answers {"pid": N}
+    {"start": {...}}   fork a run (train_distribute's argv, or a "call", or a "module" run as python -m does);
+                       answers {"pid": N}
     {"poll": N}        answers {"code": exit code or null}
 """
 
 import importlib
 import json
 import os
+import resource
+import runpy
 import signal
 import sys
+import traceback
 
+import matplotlib.backends.backend_agg  # noqa: F401 (what the picture's first drawing would import)
+import matplotlib.figure  # noqa: F401
 import torch
+import torch._dynamo  # noqa: F401 (what DDP's constructor would import in every rank)
+import tqdm  # noqa: F401
 
 import processes
 import tests.hooked_run
@@ -44,6 +52,10 @@ def run_child(request: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN if request.get("ignore_sigint") else signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
+    if request.get("cpus"):
+        os.sched_setaffinity(0, request["cpus"])
+    if request.get("file_size_limit"):  # ulimit -f
+        resource.setrlimit(resource.RLIMIT_FSIZE, (request["file_size_limit"],) * 2)
     processes.START_METHOD = "fork"
     tests.hooked_run.install_hooks()
     code = 1
@@ -51,9 +63,21 @@ def run_child(request: dict) -> None:
         if "call" in request:  # "module:function", called with the arguments; returns the exit code
             module, name = request["call"].split(":")
             code = getattr(importlib.import_module(module), name)(*request["args"])
+        elif "module" in request:  # python -m module argv...: torchrun, say
+            sys.argv = [request["module"], *request["argv"]]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        elif "script" in request:  # python path/to/script.py argv...: a copy of the project, say
+            sys.argv = [request["script"], *request["argv"]]
+            runpy.run_path(request["script"], run_name="__main__")
+            code = 0
         else:
             sys.argv = ["train_distribute.py", *request["argv"]]
             code = train_distribute.main(request["argv"])
+    except SystemExit as error:
+        code = error.code if isinstance(error.code, int) else 0 if error.code is None else 1
+    except BaseException:
+        traceback.print_exc()  # as the interpreter would before exiting
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

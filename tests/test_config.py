@@ -2,8 +2,6 @@
 resume rule, and the learning-rate schedule (in-process, no workers)."""
 
 import shutil
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +9,7 @@ import pytest
 import config
 import train_distribute as td
 from processes import UserError
-from tests.conftest import ROOT, clean_env, read_config
+from tests.conftest import ROOT, read_config, run_script
 
 SETTINGS = config.read_settings(td.__file__)
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -30,9 +28,7 @@ def test_the_block_is_read_with_types_defaults_comments_and_choices():
 
 
 def test_help_lists_every_setting_with_its_default_comment_and_choices():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "train_distribute.py"), "--help"], capture_output=True, text=True, env=clean_env()
-    )
+    result = run_script("--help")
     assert result.returncode == 0 and result.stderr == ""
     text = " ".join(result.stdout.split())  # argparse wraps lines
     for s in SETTINGS:
@@ -129,9 +125,7 @@ def test_a_wrong_value_in_the_file_is_named(tmp_path, old, new, message):
 
 def test_a_wrong_type_in_the_file_is_one_line_before_anything_starts(tmp_path):
     script = script_copy(tmp_path, "EPOCHS: int = 30", "EPOCHS: int = 2.0")
-    result = subprocess.run(
-        [sys.executable, str(script), "--epochs=1"], capture_output=True, text=True, env=clean_env(), cwd=tmp_path
-    )
+    result = run_script("--epochs=1", script=script, cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
         "error: EPOCHS = 2.0 at the top of train_distribute.py is not an integer; write e.g. EPOCHS: int = 1"
@@ -214,9 +208,7 @@ def test_sgd_lr_scales_with_the_global_batch_and_adam_does_not():
 
 def test_a_setting_written_twice_in_the_block_is_one_line(tmp_path):
     script = script_copy(tmp_path, "EPOCHS: int = 30", "EPOCHS: int = 30\nEPOCHS: int = 3")
-    result = subprocess.run(
-        [sys.executable, str(script), "--epochs=1"], capture_output=True, text=True, env=clean_env(), cwd=tmp_path
-    )
+    result = run_script("--epochs=1", script=script, cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "EPOCHS is written twice in the settings block" in lines[0] and "keep one" in lines[0]

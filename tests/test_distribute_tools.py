@@ -3,8 +3,6 @@
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 
 import distribute_tools as dt
 import processes
-from tests.conftest import ROOT, call, clean_env, run_script
+from tests.conftest import call, clean_env, run_script
 
 
 @pytest.fixture(autouse=True)
@@ -163,6 +161,5 @@ def test_gpus_torch_cannot_use_are_one_line_before_anything_starts(tmp_path, mon
 
 def test_a_rank_whose_launcher_is_already_gone_leaves_at_once():
     """The launcher can die between starting a rank and the rank asking to die with it."""
-    code = "import processes; processes.die_with_parent(1); print('still here')"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    result = call("tests.workers:die_with_parent_1")
     assert result.returncode == processes.EXIT_PREEMPTED and "still here" not in result.stdout

@@ -3,9 +3,6 @@ run aside, leftovers of a killed run, one run per folder."""
 
 import errno
 import os
-import resource
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +14,7 @@ import torch
 import outputs
 import resume
 from processes import UserError
-from tests.conftest import ROOT, read_config
+from tests.conftest import Launched, clean_env, launch, read_config
 
 
 def test_a_failed_write_leaves_the_previous_file_whole(tmp_path):
@@ -186,22 +183,9 @@ def test_any_failure_of_the_writer_is_one_line(tmp_path, monkeypatch):
 
 def test_a_file_size_limit_is_named_as_such(tmp_path):
     """ulimit -f: torch.save fails with an error that does not say why; the line names the limit, not a full disk."""
-    code = (
-        "import outputs, torch; w = outputs.ResultWriter('out'); "
-        "w.submit({'model': {'w': torch.zeros(200_000)}, 'epoch': 1}, [{'epoch': 1, 'acc': 0.5, 'loss': 1.0}]); "
-        "import processes\ntry:\n    w.wait()\nexcept processes.UserError as e:\n    print(e)"
-    )
-    (tmp_path / "out").mkdir()
-    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))  # noqa: E731
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        preexec_fn=limit,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert "(the file size limit, ulimit -f, is 64 KB); raise it (ulimit -f unlimited)" in result.stdout, result
+    run = launch(str(tmp_path), call="tests.workers:write_one_checkpoint", file_size_limit=65536)
+    out, _ = run.communicate(timeout=60)
+    assert "(the file size limit, ulimit -f, is 64 KB); raise it (ulimit -f unlimited)" in out, out
 
 
 def test_an_interrupted_wait_leaves_the_write_to_close(tmp_path, monkeypatch):
@@ -255,21 +239,13 @@ def test_a_second_run_is_refused_while_the_first_holds_the_folder(tmp_path):
     resume.lock_output_dir(str(tmp_path / "out")).close()  # free again
 
 
-def hold_output_dir(folder: Path, seconds: float, **env: str) -> subprocess.Popen:
+def hold_output_dir(folder: Path, seconds: float, **env: str) -> Launched:
     """Another process that claims `folder` and keeps it for `seconds`; returns once it holds it."""
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import resume, time; h = resume.lock_output_dir({str(folder)!r}); print('held', flush=True); "
-            f"time.sleep({seconds})",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **env},
-    )
-    assert holder.stdout.readline().strip() == "held"
+    marker = folder.parent / f"{folder.name}-held-{time.monotonic_ns()}"
+    holder = launch(str(folder), seconds, str(marker), call="tests.workers:hold_output_dir", env=clean_env(**env))
+    while not marker.exists():
+        assert holder.poll() is None, holder.communicate()
+        time.sleep(0.01)
     return holder
 
 

@@ -138,3 +138,35 @@ def rank_exit_codes(argv: list, out_dir: str) -> None:
     os.environ.pop("MASTER_PORT", None)
     codes, _ = processes.run_ranks(trained_worker, 2, (argv, out_dir), "127.0.0.1", processes.free_port())
     Path(out_dir, "codes.json").write_text(json.dumps(codes))
+
+
+# ----------------------------------------------------------------------------- small calls (tests.conftest.call)
+
+
+def die_with_parent_1() -> int:
+    """A process whose launcher (pid 1 here) is gone before it asks to die with it: it must leave at once."""
+    processes.die_with_parent(1)
+    print("still here")
+    return 0
+
+
+def hold_output_dir(folder: str, seconds: float, marker: str) -> int:
+    """Another run holding `folder` for `seconds`; the marker file says that it holds it."""
+    import resume
+
+    with resume.lock_output_dir(folder):
+        Path(marker).write_text("held")
+        time.sleep(seconds)
+    return 0
+
+
+def write_one_checkpoint(folder: str) -> int:
+    """The writer saving a 800 kB checkpoint; prints its one-line error, if any."""
+    writer = outputs.ResultWriter(folder)
+    writer.submit({"model": {"w": torch.zeros(200_000)}, "epoch": 1}, [{"epoch": 1, "acc": 0.5, "loss": 1.0}])
+    try:
+        writer.wait()
+    except processes.UserError as error:
+        print(error)
+    writer.close()
+    return 0
