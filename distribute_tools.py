@@ -14,8 +14,6 @@ import datetime
 import gc
 import inspect
 import os
-import shutil
-import subprocess
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -144,7 +142,7 @@ def choose_device(local_rank: int, local_world_size: int) -> tuple[torch.device,
     --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank) it takes that one."""
     visible = gpu_count()
     if visible == 0:
-        check_gpus_usable()
+        processes.check_gpus_usable()
         return torch.device("cpu"), "gloo"
     if visible >= local_world_size:
         return torch.device("cuda", local_rank), "nccl"
@@ -154,25 +152,6 @@ def choose_device(local_rank: int, local_world_size: int) -> tuple[torch.device,
         f"{local_world_size} processes on this machine but each sees {visible} GPUs: two ranks would share a "
         f"GPU; start one process per GPU (--nproc_per_node={visible}), or give each process exactly one GPU"
     )
-
-
-def check_gpus_usable() -> None:
-    """A machine whose GPUs the driver shows but torch cannot use must not train on the CPU unnoticed.
-    CUDA_VISIBLE_DEVICES= (empty) asks for the CPU explicitly."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or not shutil.which("nvidia-smi"):
-        return
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return
-    gpus = [line for line in listing.splitlines() if line.startswith("GPU ")]
-    if gpus:
-        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"
-        raise UserError(
-            f"nvidia-smi shows {len(gpus)} GPU(s) but torch {torch.__version__} ({build}) cannot use them; "
-            f"install a torch build for this driver (pip install torch, see pytorch.org), or train on the CPU "
-            f"on purpose with CUDA_VISIBLE_DEVICES= python train_distribute.py"
-        )
 
 
 def resolve_world_size(requested: int) -> int:
@@ -186,12 +165,19 @@ def resolve_world_size(requested: int) -> int:
         return started
     gpus = gpu_count()
     if gpus == 0:
-        check_gpus_usable()
+        processes.check_gpus_usable()
     if requested < 0:
         raise UserError(f"WORLD_SIZE={requested} is negative; use 0 (every GPU, or 2 CPU processes) or a count")
     if gpus and requested > gpus:
         raise UserError(f"WORLD_SIZE={requested} but this machine has {gpus} GPU(s); use 0 or at most {gpus}")
     return requested or gpus or 2
+
+
+def memory_format(model: torch.nn.Module, device: torch.device) -> torch.memory_format:
+    """channels_last: what tensor cores want, and faster on CPUs too; but torch 2.14's CPU kernels crash with it on
+    convolutions of fewer than 8 channels when a rank has one thread."""
+    narrow = min((m.out_channels for m in model.modules() if isinstance(m, torch.nn.Conv2d)), default=8) < 8
+    return torch.contiguous_format if device.type == "cpu" and narrow else torch.channels_last
 
 
 def bf16_is_fast(device: torch.device) -> bool:
@@ -246,16 +232,3 @@ def all_ranks_try(action: Callable[[], T] | None) -> T | None:
             error = str(e)
     all_ranks_raise_if_any(error)
     return result
-
-
-def all_ranks_peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of the largest rank: GPU memory allocated, or the process's resident size on CPU."""
-    if device.type == "cuda":
-        mine = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        import resource
-
-        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    peak = torch.tensor([mine], device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return round(peak.item(), 1)

@@ -141,6 +141,19 @@ def cpu_snapshot(value: Any) -> Any:
     return value
 
 
+def all_ranks_peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of the largest rank: GPU memory allocated, or the process's resident size on CPU."""
+    if device.type == "cuda":
+        mine = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        import resource
+
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    peak = torch.tensor([mine], device=device)
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    return round(peak.item(), 1)
+
+
 # ----------------------------------------------------------------------------- files
 
 
@@ -232,10 +245,11 @@ def describe(run: Any, peak_lr: float) -> str:
     options = [("compiled", cfg.COMPILE), ("SyncBatchNorm", cfg.SYNC_BN), ("bf16 all-reduce", cfg.BF16_ALLREDUCE)]
     extras = [name for name, on in [*options, (f"{cfg.ACCUMULATE} micro-batches", cfg.ACCUMULATE > 1)] if on]
     resized = f", {run.data['resized']:,} resized to {size}x{size}" if run.data["resized"] else ""
-    blocks = "" if cfg.RELU_AFTER_SUM else ", seed blocks"
+    width = f"width={cfg.WIDTH}, " if hasattr(cfg, "WIDTH") else ""  # settings of another network may differ
+    blocks = "" if getattr(cfg, "RELU_AFTER_SUM", True) else ", seed blocks"
     line = " | ".join(
         [
-            f"ResNet(width={cfg.WIDTH}, {parameters:,} parameters{blocks}) on {cfg.DATASET} "
+            f"{type(run.model).__name__}({width}{parameters:,} parameters{blocks}) on {cfg.DATASET} "
             f"({len(run.train_data):,} train, {len(run.test_data):,} test images{resized})",
             f"{info.world_size} rank(s) on {info.device.type} ({info.backend})",
             f"global batch {cfg.BATCH_SIZE} ({cfg.BATCH_SIZE // info.world_size} per rank), "

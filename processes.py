@@ -12,8 +12,10 @@ A reader adapting the template can skip this file. What it guarantees:
 import datetime
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from multiprocessing import connection, resource_tracker
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 EXIT_USER_ERROR = 2  # a problem the user can fix, reported in one line (as argparse exits on a bad argument)
@@ -319,6 +322,25 @@ def die_with_parent(parent_pid: int | None) -> None:
 
 
 # ----------------------------------------------------------------------------- small things
+
+
+def check_gpus_usable() -> None:
+    """A machine whose GPUs the driver shows but torch cannot use must not train on the CPU unnoticed.
+    CUDA_VISIBLE_DEVICES= (empty) asks for the CPU explicitly."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or not shutil.which("nvidia-smi"):
+        return
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return
+    gpus = [line for line in listing.splitlines() if line.startswith("GPU ")]
+    if gpus:
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"
+        raise UserError(
+            f"nvidia-smi shows {len(gpus)} GPU(s) but torch {torch.__version__} ({build}) cannot use them; "
+            f"install a torch build for this driver (pip install torch, see pytorch.org), or train on the CPU "
+            f"on purpose with CUDA_VISIBLE_DEVICES= python train_distribute.py"
+        )
 
 
 def restart_count() -> int:

@@ -120,29 +120,18 @@ class Run:
 def main_worker(rank: int, world_size: int, cfg: SimpleNamespace, launched_at: float) -> None:
     """Everything one rank does, from joining the group to leaving it."""
     with distribute_tools.process_group(rank, world_size, cfg.COLLECTIVE_TIMEOUT) as dist_info:  # DDP: join; device
-        train_on_this_rank(cfg, dist_info, launched_at)  # returns holding nothing, so the group can be destroyed
-
-
-def train_on_this_rank(cfg: SimpleNamespace, dist_info: DistInfo, launched_at: float) -> None:
-    run = build_run(cfg, dist_info, launched_at)
-    # rank 0 locks OUTPUT_DIR; a resumed run gets its weights and optimizer state, and the epochs already done
-    with resume.start(cfg, dist_info, run.data, run.model, run.optimizer) as history:
-        if dist_info.is_main:
-            print(outputs.describe(run, peak_lr(cfg)), flush=True)
-        train(run, history)
+        train(build_run(cfg, dist_info, launched_at))  # nothing left holds the model: the group can be destroyed
 
 
 def build_run(cfg: SimpleNamespace, dist_info: DistInfo, launched_at: float) -> Run:
     """Data on the device, the network wrapped in DDP, the optimizer."""
     train_set, test_set = data.load(cfg, dist_info)  # every rank holds the whole set (checked to be the same)
     device = dist_info.device
-    # channels_last is what tensor cores want, and faster on CPUs too; torch 2.14's CPU kernels crash with it
-    # below width 8 when a rank has one thread
-    memory_format = torch.contiguous_format if device.type == "cpu" and cfg.WIDTH < 8 else torch.channels_last
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest convolution once
     torch.manual_seed(cfg.SEED)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = make_model(cfg, len(train_set.classes))
+    memory_format = distribute_tools.memory_format(model, device)  # channels_last where it is safe
     if cfg.SYNC_BN:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # GPUs only: refused on CPUs before the start
     model = model.to(device, memory_format=memory_format)
@@ -184,43 +173,47 @@ def make_optimizer(cfg: SimpleNamespace, model: nn.Module, device: torch.device)
 # ----------------------------------------------------------------------------- the epoch loop
 
 
-def train(run: Run, history: list[dict[str, float]]) -> None:
+def train(run: Run) -> None:
     """The epochs: train, evaluate, report; rank 0 hands each epoch's files to a background writer."""
     cfg, is_main = run.cfg, run.dist_info.is_main
-    writer = outputs.ResultWriter(cfg.OUTPUT_DIR) if is_main else None  # DDP: rank 0 alone writes files
-    earlier_seconds = history[-1]["elapsed_seconds"] if history else 0.0  # a resumed run's clock goes on
-    try:
-        for epoch in range(len(history) + 1, cfg.EPOCHS + 1):
-            started = time.perf_counter()
-            (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
-            stop_if_diverged(loss_sum, epoch, cfg)
-            test_loss, acc = evaluate(run)
-            epoch_seconds = time.perf_counter() - started
-            # every rank: rank 0 waits for the previous epoch's files (a failed write stops every rank, one line)
-            waited = distribute_tools.all_ranks_try(writer.wait if writer else None) or 0.0
-            row = {  # the columns are defined, in this order, in outputs.COLUMNS
-                "epoch": epoch,
-                "loss": loss_sum / images,
-                "acc": acc,
-                "test_loss": test_loss,
-                "train_acc": correct / images,
-                "lr": lr,
-                "epoch_seconds": epoch_seconds,
-                "elapsed_seconds": earlier_seconds + time.time() - run.launched_at,
-                "images_per_second": images / train_seconds,
-                "peak_memory_mb": distribute_tools.all_ranks_peak_memory_mb(run.dist_info.device),
-                "write_wait_seconds": waited,
-            }
-            history.append(row)
+    # rank 0 locks OUTPUT_DIR; a resumed run gets its weights and optimizer state back, and the epochs done
+    with resume.start(cfg, run.dist_info, run.data, run.model, run.optimizer) as history:
+        writer = outputs.ResultWriter(cfg.OUTPUT_DIR) if is_main else None  # DDP: rank 0 alone writes files
+        if is_main:
+            print(outputs.describe(run, peak_lr(cfg)), flush=True)
+        earlier_seconds = history[-1]["elapsed_seconds"] if history else 0.0  # a resumed run's clock goes on
+        try:
+            for epoch in range(len(history) + 1, cfg.EPOCHS + 1):
+                started = time.perf_counter()
+                (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
+                stop_if_diverged(loss_sum, epoch, cfg)
+                test_loss, acc = evaluate(run)
+                epoch_seconds = time.perf_counter() - started
+                # every rank: rank 0 waits for the previous epoch's files (a failed write stops every rank)
+                waited = distribute_tools.all_ranks_try(writer.wait if writer else None) or 0.0
+                row = {  # the columns are defined, in this order, in outputs.COLUMNS
+                    "epoch": epoch,
+                    "loss": loss_sum / images,
+                    "acc": acc,
+                    "test_loss": test_loss,
+                    "train_acc": correct / images,
+                    "lr": lr,
+                    "epoch_seconds": epoch_seconds,
+                    "elapsed_seconds": earlier_seconds + time.time() - run.launched_at,
+                    "images_per_second": images / train_seconds,
+                    "peak_memory_mb": outputs.all_ranks_peak_memory_mb(run.dist_info.device),
+                    "write_wait_seconds": waited,
+                }
+                history.append(row)
+                if writer:
+                    writer.submit(checkpoint(run, history), history)
+                    print(outputs.epoch_line(row, cfg.EPOCHS), flush=True)
+        finally:
             if writer:
-                writer.submit(checkpoint(run, history), history)
-                print(outputs.epoch_line(row, cfg.EPOCHS), flush=True)
-    finally:
-        if writer:
-            writer.close()  # every completed epoch's files are on disk before this rank leaves
-    processes.finished()  # from here a Ctrl-C or stop signal changes nothing: the run is complete
-    if is_main:
-        print(outputs.summary_line(history, cfg.OUTPUT_DIR), flush=True)
+                writer.close()  # every completed epoch's files are on disk before this rank leaves
+        processes.finished()  # from here a Ctrl-C or stop signal changes nothing: the run is complete
+        if is_main:
+            print(outputs.summary_line(history, cfg.OUTPUT_DIR), flush=True)
 
 
 def checkpoint(run: Run, history: list[dict[str, float]]) -> dict[str, Any]:
@@ -294,13 +287,12 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: n
 
 def stop_if_diverged(loss_sum: float, epoch: int, cfg: SimpleNamespace) -> None:
     """The sums are all-reduced: every rank sees a non-finite loss and stops together."""
-    if math.isfinite(loss_sum):
-        return
-    kept = f"kept the checkpoint of epoch {epoch - 1} in {cfg.OUTPUT_DIR}" if epoch > 1 else "no checkpoint was written"
-    raise UserError(
-        f"the training loss became {loss_sum} in epoch {epoch}; stopped every rank and {kept}; lower "
-        f"--lr (now {cfg.LR}) and start a new run"
-    )
+    if not math.isfinite(loss_sum):
+        kept = f"kept the checkpoint of epoch {epoch - 1}" if epoch > 1 else "no checkpoint was written"
+        raise UserError(
+            f"the training loss became {loss_sum} in epoch {epoch}; stopped every rank and {kept} in "
+            f"{cfg.OUTPUT_DIR}; lower --lr (now {cfg.LR}) and start a new run"
+        )
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -40,6 +40,8 @@ def one_run(launcher: str, output_dir: str) -> str:
     problems = [f"exit {result.returncode}"] if result.returncode else []
     problems += [f"'{sign}' in its output" for sign in signs]
     problems += [f"{rows} CSV rows"] if rows != 1 else []
+    if problems:  # what it printed last, to see why
+        problems.append("its last lines: " + " | ".join(output.strip().splitlines()[-3:]))
     return ", ".join(problems)
 
 

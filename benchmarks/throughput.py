@@ -30,18 +30,10 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 import config
+import outputs
 import train_distribute as td
 from data import make_synthetic
-from distribute_tools import (
-    all_ranks_peak_memory_mb,
-    bf16_is_fast,
-    choose_device,
-    cleanup,
-    cpu_cores,
-    resolve_world_size,
-    run_distribute,
-    setup,
-)
+from distribute_tools import bf16_is_fast, choose_device, cleanup, cpu_cores, resolve_world_size, run_distribute, setup
 from processes import UserError
 from resnet import ResNet
 
@@ -111,7 +103,7 @@ def seed_pipeline_worker(rank: int, world_size: int, args: argparse.Namespace, b
             started = time.perf_counter()
     td.synchronize(info.device)
     seconds = time.perf_counter() - started
-    memory = all_ranks_peak_memory_mb(info.device)
+    memory = outputs.all_ranks_peak_memory_mb(info.device)
     if info.is_main:
         Path(result_path).write_text(f"{args.steps * args.batch_size / seconds} {memory}")
     cleanup(every_rank_leaves=True)
