@@ -1,7 +1,8 @@
 """Shared helpers: runs with real processes on the CPU (gloo), tiny generated data, a few runs several tests read.
 
-Most runs are forked from the test server (tests/server.py), which has imported torch and the project once;
-`real=True` starts a new interpreter instead, as a user's `python train_distribute.py` does.
+Most runs are forked from the test server (tests/server.py), which has imported torch and the project once. The
+scenarios about how a run starts and ends use new interpreters, as a user's `python train_distribute.py` does;
+they start in the background as the session starts (`needs`, `scenario`).
 """
 
 import json
@@ -13,8 +14,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -151,21 +155,10 @@ def launch(
     return Launched(request)
 
 
-def start_torchrun(*args: str, real: bool = False, cwd: Path | None = None, cpus: list[int] | None = None):
-    """`torchrun *args train_distribute.py ...` (args hold the script), in a session of its own, output merged.
-    Unless real: torchrun's own code forked from the test server, its workers forked from it (--run-path
-    --start-method=fork: the script runs in each worker as `python script.py` would run it)."""
-    if real:
-        return subprocess.Popen(
-            torchrun_command(*args),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=clean_env(),
-            cwd=cwd,
-            start_new_session=True,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
-        )
+def start_torchrun(*args: str, cwd: Path | None = None, cpus: list[int] | None = None) -> Launched:
+    """`torchrun *args` (args hold the script and its settings), in a session of its own, output merged: torchrun's
+    own code forked from the test server, its workers forked from it (--run-path --start-method=fork: the script
+    runs in each worker as `python script.py` runs it). test_torchrun_standalone runs the real command."""
     fast = ["--run-path", "--start-method=fork", *args]
     return launch(*fast, module="torch.distributed.run", merge_output=True, cwd=cwd, cpus=cpus)
 
@@ -175,21 +168,9 @@ def run_script(
     timeout: float = HANG_TIMEOUT,
     env: dict | None = None,
     cwd: Path | None = None,
-    real: bool = False,
     script: Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """The script (train_distribute.py, or a copy) with these arguments, to its end. real=True: in a new
-    interpreter, as a user starts it."""
-    if real:
-        return subprocess.run(
-            [sys.executable, str(script or SCRIPT), *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env or clean_env(),
-            cwd=cwd or ROOT,
-            stdin=subprocess.DEVNULL,
-        )
+    """The script (train_distribute.py, or a copy) with these arguments, to its end."""
     run = launch(*args, env=env, cwd=cwd, script=script)
     out, err = run.communicate(timeout=timeout)
     return subprocess.CompletedProcess(list(args), run.returncode, out, err)
@@ -200,6 +181,46 @@ def call(function: str, *args, env: dict | None = None, timeout: float = HANG_TI
     run = launch(*args, call=function, env=env)
     out, err = run.communicate(timeout=timeout)
     return subprocess.CompletedProcess([function, *args], run.returncode, out, err)
+
+
+# ----------------------------------------------------------------------------- runs in new interpreters, early
+
+
+BACKGROUND: dict[tuple, Future] = {}
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def needs(*scenarios: tuple) -> Callable:
+    """Marks a test that needs these scenarios, (function, *args): each runs real interpreters for seconds of
+    imports, so it starts in a background thread as the session starts, while the other tests run."""
+
+    def mark(test: Callable) -> Callable:
+        test.scenarios = scenarios
+        return test
+
+    return mark
+
+
+def scenario(function: Callable, *args) -> Any:
+    """What the scenario returned, once it is done (it runs now if the session did not start it)."""
+    key = (function.__qualname__, *args)
+    if key not in BACKGROUND:
+        BACKGROUND[key] = _pool().submit(function, *args)
+    return BACKGROUND[key].result(timeout=2 * HANG_TIMEOUT)
+
+
+def _pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(2, thread_name_prefix="scenario"))  # two at a time: 2 ranks each
+    return _POOL[0]
+
+
+def pytest_collection_finish(session) -> None:
+    for item in session.items:
+        for function, *args in getattr(getattr(item, "function", None), "scenarios", ()):
+            key = (function.__qualname__, *args)
+            if key not in BACKGROUND:
+                BACKGROUND[key] = _pool().submit(function, *args)
 
 
 # ----------------------------------------------------------------------------- reading runs

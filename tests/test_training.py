@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,9 +32,11 @@ from tests.conftest import (
     clean_env,
     csv_rows,
     launch,
+    needs,
     rank_processes,
     read_config,
     run_script,
+    scenario,
     start_torchrun,
     torchrun_command,
     wait_for_rows,
@@ -139,31 +142,17 @@ def test_evaluation_is_exact_and_independent_of_the_world_size(reference_run, tm
 # ----------------------------------------------------------------------------- how a run ends
 
 
-def test_each_rank_process_exits_0_and_leaves_no_group_thread_behind(tmp_path):
-    """A whole run with its ranks spawned (a new interpreter each, torn down as at any exit): each rank process's
-    own exit code is 0, and no thread of the process group outlives it (such a thread, freeing a tensor while
-    the interpreter finalized, aborted finished runs: "terminate called without an active exception")."""
-    argv = [*TINY, "--epochs=1", f"--output_dir={tmp_path / 'out'}"]
-    code = f"from tests import workers; workers.rank_exit_codes({argv!r}, {str(tmp_path)!r})"
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=HANG_TIMEOUT
-    )
-    assert result.returncode == 0 and "terminate called" not in result.stderr, result.stderr
-    assert json.loads((tmp_path / "codes.json").read_text()) == {"0": 0, "1": 0}
-    for rank in (0, 1):
-        threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
-        assert not [name for name in threads if "gloo" in name or "pt_" in name], threads
-
-
-def test_ctrl_c_just_after_the_run_finished_changes_nothing(tmp_path):
-    """A signal after every file is written: the run still exits 0, no rank is reported killed."""
-    folder = tmp_path / "out"
+def finished_run_scenario() -> tuple:
+    """A run as a user starts it, its ranks spawned, with Ctrl-C to the whole run as soon as it prints its summary;
+    each rank's own exit code and the threads each rank had left are recorded (tests/exit_codes.py)."""
+    out = Path(tempfile.mkdtemp(prefix="finished-run-"))
     process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *TINY, "--epochs=1", f"--output_dir={folder}"],
+        [sys.executable, "-m", "tests.exit_codes", *TINY, "--epochs=1", f"--output_dir={out / 'out'}"],
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=clean_env(),
+        env=clean_env(EXIT_CODES_DIR=str(out)),
         start_new_session=True,
     )
     lines = []
@@ -172,32 +161,76 @@ def test_ctrl_c_just_after_the_run_finished_changes_nothing(tmp_path):
         if line.startswith("done:"):
             os.killpg(process.pid, signal.SIGINT)
     err = process.stderr.read()
-    assert process.wait(timeout=HANG_TIMEOUT) == 0, err
+    code = process.wait(timeout=HANG_TIMEOUT)
+    codes = json.loads((out / "codes.json").read_text()) if (out / "codes.json").exists() else None
+    threads = [
+        json.loads((out / f"threads{r}.json").read_text()) for r in (0, 1) if (out / f"threads{r}.json").exists()
+    ]
+    return code, err, lines, codes, threads
+
+
+@needs((finished_run_scenario,))
+def test_each_rank_process_exits_0_and_leaves_no_group_thread_behind():
+    """A whole run with its ranks spawned (a new interpreter each, torn down as at any exit): each rank process's
+    own exit code is 0, and no thread of the process group outlives it (such a thread, freeing a tensor while
+    the interpreter finalized, aborted finished runs: "terminate called without an active exception")."""
+    code, err, _, codes, threads = scenario(finished_run_scenario)
+    assert code == 0 and "terminate called" not in err, err
+    assert codes == {"0": 0, "1": 0} and len(threads) == 2
+    for names in threads:
+        assert not [name for name in names if "gloo" in name or "pt_" in name], names
+
+
+@needs((finished_run_scenario,))
+def test_ctrl_c_just_after_the_run_finished_changes_nothing():
+    """A signal after every file is written: the run still exits 0, no rank is reported killed."""
+    code, err, lines, codes, _ = scenario(finished_run_scenario)
+    assert code == 0 and codes == {"0": 0, "1": 0}, err
     assert err.strip() == "" and any(line.startswith("done:") for line in lines)
 
 
-@pytest.mark.parametrize("delay", [0.0, 2.5])
-def test_ctrl_c_while_the_ranks_start_is_one_line(tmp_path, delay):
-    """Ctrl-C while the ranks import torch (delay 0) or join the group: no traceback, exit 130, nothing written."""
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *TINY, "--epochs=3", f"--output_dir={tmp_path / 'out'}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=clean_env(),
-        start_new_session=True,
-    )
+def ctrl_c_while_starting_scenario(real: bool) -> tuple:
+    """Ctrl-C as soon as both ranks exist: spawned by a new interpreter (they are importing torch), or forked from
+    the test server (they are joining the group)."""
+    folder = Path(tempfile.mkdtemp(prefix="ctrl-c-start-")) / "out"
+    args = [*TINY, "--epochs=3", f"--output_dir={folder}"]
+    if real:
+        process = subprocess.Popen(
+            [sys.executable, str(SCRIPT), *args],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+            start_new_session=True,
+        )
+    else:
+        process = launch(*args)
     deadline = time.monotonic() + 60
-    while len([p for p in children_of(process.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]) < 2:
+    while (
+        len(
+            [
+                pid
+                for pid in children_of(process.pid)
+                if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            ]
+        )
+        < 2
+    ):
         assert process.poll() is None and time.monotonic() < deadline
-        time.sleep(0.02)
-    time.sleep(delay)
+        time.sleep(0.005)
     os.killpg(process.pid, signal.SIGINT)
-    out, err = process.communicate(timeout=60)
-    assert process.returncode == processes.EXIT_INTERRUPTED, err
+    _, err = process.communicate(timeout=60)
+    return process.returncode, err, (folder / "checkpoint.pt").exists()
+
+
+@needs((ctrl_c_while_starting_scenario, True))
+@pytest.mark.parametrize("while_the_ranks", ["import_torch", "join_the_group"])
+def test_ctrl_c_while_the_ranks_start_is_one_line(while_the_ranks):
+    """Ctrl-C while the ranks import torch or join the group: no traceback, exit 130, nothing written."""
+    code, err, checkpoint = scenario(ctrl_c_while_starting_scenario, while_the_ranks == "import_torch")
+    assert code == processes.EXIT_INTERRUPTED, err
     assert "Traceback" not in err and "TCPStore" not in err and len(err.strip().splitlines()) <= 1, err
     assert all(line.startswith("interrupted: ") for line in err.strip().splitlines())
-    assert not (tmp_path / "out" / "checkpoint.pt").exists()
+    assert not checkpoint
 
 
 # ----------------------------------------------------------------------------- one optimizer step, compared
@@ -560,40 +593,35 @@ def test_a_stop_signal_ends_every_rank_resumably(tmp_path, who):
 # ----------------------------------------------------------------------------- torchrun
 
 
-def test_torchrun_standalone(tmp_path):
-    """As a user starts it (real interpreters): the workers exit 0, and so does torchrun."""
+def torchrun_standalone_scenario() -> tuple:
+    out = Path(tempfile.mkdtemp(prefix="torchrun-")) / "out"
+    command = ["--standalone", "--nproc_per_node=2", str(SCRIPT), *TINY[:-1], "--epochs=1", "--world_size=3"]
     result = subprocess.run(
-        torchrun_command(
-            "--standalone",
-            "--nproc_per_node=2",
-            str(SCRIPT),
-            *TINY[:-1],
-            "--epochs=1",
-            "--world_size=3",
-            f"--output_dir={tmp_path / 'out'}",
-        ),
+        torchrun_command(*command, f"--output_dir={out}"),
         capture_output=True,
         text=True,
         timeout=HANG_TIMEOUT,
         env=clean_env(),
     )
+    return result, csv_rows(out)
+
+
+@needs((torchrun_standalone_scenario,))
+def test_torchrun_standalone():
+    """As a user starts it (real interpreters): the workers exit 0, and so does torchrun."""
+    result, rows = scenario(torchrun_standalone_scenario)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert csv_rows(tmp_path / "out") == 1
+    assert rows == 1
     assert "WORLD_SIZE=3 is ignored under torchrun, which started 2 ranks" in result.stdout
     assert "2 rank(s) on cpu (gloo)" in result.stdout
     assert "terminate called" not in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize(
-    "mistake,nproc,restarts",
-    [("setting", 2, 2), ("unsplittable_batch", 3, 2), ("damaged_image", 2, 2), ("setting_without_restarts", 2, 0)],
-)
-def test_a_mistake_under_torchrun_is_one_line_and_not_restarted(tmp_path, mistake, nproc, restarts):
-    """A bad setting (found before the worker trains) or a damaged image (found by the worker): the worker's one
-    line comes first, torchrun's own report follows (it cannot be silenced: README), and torchrun does not restart
-    a run that would fail the same way."""
+def torchrun_mistake_scenario(mistake: str, nproc: int, restarts: int) -> tuple:
+    """A mistake under torchrun with up to `restarts` restarts."""
     from tests.test_bad_input import make_bad_inputs
 
+    tmp_path = Path(tempfile.mkdtemp(prefix="torchrun-mistake-"))
     make_bad_inputs(tmp_path)
     args = {
         "setting": ["--epoch=3"],
@@ -602,12 +630,23 @@ def test_a_mistake_under_torchrun_is_one_line_and_not_restarted(tmp_path, mistak
         "damaged_image": ["--dataset=imagefolder", f"--data_dir={tmp_path / 'truncated'}", "--batch_size=2"],
     }[mistake]
     command = ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}", str(SCRIPT)]
-    job = start_torchrun(*command, *TINY[:-1], *args, "--output_dir=out", cwd=tmp_path, real=mistake == "setting")
-    stderr = job.communicate(timeout=HANG_TIMEOUT)[0]  # stdout and stderr together
-    result = subprocess.CompletedProcess([], job.returncode, "", stderr)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert result.returncode != 0
-    assert len(errors) == 1, result.stderr  # once: one machine, and no restart
+    job = start_torchrun(*command, *TINY[:-1], *args, "--output_dir=out", cwd=tmp_path)
+    output = job.communicate(timeout=HANG_TIMEOUT)[0]  # stdout and stderr together
+    return job.returncode, output, (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "mistake,nproc,restarts",
+    [("setting", 2, 2), ("unsplittable_batch", 3, 2), ("damaged_image", 2, 2), ("setting_without_restarts", 2, 0)],
+)
+def test_a_mistake_under_torchrun_is_one_line_and_not_restarted(mistake, nproc, restarts):
+    """A bad setting (found before the worker trains) or a damaged image (found by the worker): the worker's one
+    line comes first, torchrun's own report follows (it cannot be silenced: README), and torchrun does not restart
+    a run that would fail the same way."""
+    code, output, written = scenario(torchrun_mistake_scenario, mistake, nproc, restarts)
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert code != 0
+    assert len(errors) == 1, output  # once: one machine, and no restart
     expected = {
         "setting": "unknown setting --epoch; did you mean --epochs?",
         "setting_without_restarts": "EPOCHS=0 must be positive",
@@ -615,10 +654,10 @@ def test_a_mistake_under_torchrun_is_one_line_and_not_restarted(tmp_path, mistak
         "damaged_image": "cut.jpg (image file is truncated",
     }[mistake]
     assert expected in errors[0]
-    assert result.stderr.index(errors[0]) < result.stderr.find("Traceback") or "Traceback" not in result.stderr
+    assert output.index(errors[0]) < output.find("Traceback") or "Traceback" not in output
     if restarts == 0:  # torchrun's report names our line as the root cause
-        assert result.stderr.count(expected) >= 2 and "ChildFailedError" in result.stderr
-    assert not (tmp_path / "out").exists()
+        assert output.count(expected) >= 2 and "ChildFailedError" in output
+    assert not written
 
 
 def two_nodes(tmp_path: Path, port: int, args_per_node: list, rdzv: str = "c10d", restarts: int = 0) -> list:
@@ -680,7 +719,7 @@ def worker_processes(agent: int) -> list[int]:
     )
 
 
-def start_torchrun_job(folder: Path, epochs: int, real: bool = False):
+def start_torchrun_job(folder: Path, epochs: int):
     """torchrun --standalone with 2 workers and up to 2 restarts, in a session of its own; output merged."""
     return start_torchrun(
         "--standalone",
@@ -690,7 +729,6 @@ def start_torchrun_job(folder: Path, epochs: int, real: bool = False):
         *TINY[:-1],
         f"--epochs={epochs}",
         f"--output_dir={folder}",
-        real=real,
     )
 
 
@@ -712,12 +750,10 @@ def test_torchrun_restart_continues_from_the_checkpoint(tmp_path):
     assert not list(folder.glob("previous-*")), "the restart moved the run's own results aside"
 
 
-@pytest.mark.parametrize("who", ["torchrun", "worker", "ctrl_c"])
-def test_a_stop_signal_under_torchrun_stops_the_job_instead_of_restarting_it(tmp_path, who):
-    """SIGTERM to torchrun (scancel, Kubernetes), SIGUSR1 to one worker (SLURM's warning) or Ctrl-C: every worker
-    stops within seconds, rank 0 says so in one line after its files, and torchrun does not restart them."""
-    folder = tmp_path / "out"
-    process = start_torchrun_job(folder, epochs=9, real=who == "ctrl_c")  # Ctrl-C as a user gives it
+def torchrun_stop_scenario(who: str) -> tuple:
+    """A torchrun job stopped after its first epoch."""
+    folder = Path(tempfile.mkdtemp(prefix="torchrun-stop-")) / "out"
+    process = start_torchrun_job(folder, epochs=9)
     try:
         wait_for_rows(folder, 1, process)
         workers = worker_processes(process.pid)
@@ -727,18 +763,28 @@ def test_a_stop_signal_under_torchrun_stops_the_job_instead_of_restarting_it(tmp
             os.kill(*((process.pid, signal.SIGTERM) if who == "torchrun" else (workers[1], signal.SIGUSR1)))
         started = time.monotonic()
         log = process.communicate(timeout=HANG_TIMEOUT)[0]
-        assert time.monotonic() - started < 25, log
+        seconds = time.monotonic() - started
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode != 0  # torchrun reports the signal it got as a failure of its own
+    time.sleep(0.5)
+    left = [pid for pid in workers if alive(pid)]
+    return process.returncode, log, seconds, folder, left
+
+
+@pytest.mark.parametrize("who", ["torchrun", "worker", "ctrl_c"])
+def test_a_stop_signal_under_torchrun_stops_the_job_instead_of_restarting_it(who):
+    """SIGTERM to torchrun (scancel, Kubernetes), SIGUSR1 to one worker (SLURM's warning) or Ctrl-C: every worker
+    stops within seconds, rank 0 says so in one line after its files, and torchrun does not restart them."""
+    code, log, seconds, folder, left = scenario(torchrun_stop_scenario, who)
+    assert seconds < 25, log
+    assert code != 0  # torchrun reports the signal it got as a failure of its own
     assert log.count("epoch 1/9") == 1 and "resuming" not in log, "torchrun restarted the workers"
     stopped = "interrupted" if who == "ctrl_c" else "stopped by SIGTERM"
     assert log.count(f"{stopped}: the files in {folder} are from epoch") == 1, log
     checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
     assert checkpoint["epoch"] == csv_rows(folder) >= 1 and not list(folder.glob("*.tmp*"))
-    time.sleep(0.5)
-    assert not [pid for pid in workers if alive(pid)], "workers left behind"
+    assert not left, "workers left behind"
 
 
 def test_two_torchrun_nodes_restart_and_continue_wherever_rank_0_lands(tmp_path):

@@ -27,10 +27,6 @@ def start(worker_name: str, world_size: int, *args) -> int:
     return distribute_tools.run_distribute(globals()[worker_name], world_size, *args)
 
 
-def thread_names() -> list[str]:
-    return sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
-
-
 def report_worker(rank: int, world_size: int, out_dir: str) -> None:
     """Writes what setup decided for this rank."""
     info = setup(rank, world_size, timeout_s=60)
@@ -60,12 +56,6 @@ def hanging_worker(rank: int, world_size: int, timeout_s: float) -> None:
         if rank == 1:
             time.sleep(600)  # stuck outside any collective (a deadlock, a stalled disk...)
         distribute_tools.all_ranks_meet()  # rank 0 waits in a collective: it must give up after timeout_s
-
-
-def trained_worker(rank: int, world_size: int, argv: list, out_dir: str) -> None:
-    """The project's whole rank (main_worker); afterwards, which threads the process still has."""
-    td.main_worker(rank, world_size, read_config(argv), time.time())
-    Path(out_dir, f"threads{rank}.json").write_text(json.dumps(thread_names()))
 
 
 def tiny_run(rank: int, world_size: int, argv: list) -> td.Run:
@@ -130,14 +120,6 @@ def evaluate_worker(rank: int, world_size: int, argv: list, out_path: str) -> No
     if run.dist_info.is_main:
         Path(out_path).write_text(json.dumps({"loss": loss, "acc": acc, "images": len(run.test_data)}))
     cleanup(every_rank_leaves=True)
-
-
-def rank_exit_codes(argv: list, out_dir: str) -> None:
-    """In a new interpreter (tests/test_exits.py): a whole training run, its ranks spawned as a user's are;
-    writes each rank process's own exit code, as the operating system reported it."""
-    os.environ.pop("MASTER_PORT", None)
-    codes, _ = processes.run_ranks(trained_worker, 2, (argv, out_dir), "127.0.0.1", processes.free_port())
-    Path(out_dir, "codes.json").write_text(json.dumps(codes))
 
 
 # ----------------------------------------------------------------------------- small calls (tests.conftest.call)
