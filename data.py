@@ -7,13 +7,9 @@ file that later runs and the other ranks load in a fraction of a second, with it
 permutation, cut into batches by indexing, cropped, flipped and normalised there: no per-image Python work.
 """
 
-import hashlib
-import multiprocessing
 import os
 import socket
-import sys
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -22,8 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import image_folder
 import outputs
-from distribute_tools import DistInfo, all_ranks_try, cpu_cores, under_torchrun
+from distribute_tools import DistInfo, all_ranks_try, under_torchrun
 from processes import UserError, first_line
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's published, 0..1 units
@@ -83,9 +80,9 @@ def sizes(cfg: SimpleNamespace) -> tuple[int, int, int]:
             raise UserError(f"IMAGE_SIZE={cfg.IMAGE_SIZE} but CIFAR-10's images are 32x32; use --image_size 32")
         return CIFAR_SIZES
     (classes, train), (test_classes, test) = (
-        list_image_folder(os.path.join(cfg.DATA_DIR, s)) for s in ("train", "test")
+        image_folder.list_images(os.path.join(cfg.DATA_DIR, s)) for s in ("train", "test")
     )
-    check_same_classes(cfg.DATA_DIR, classes, test_classes)
+    image_folder.check_same_classes(cfg.DATA_DIR, classes, test_classes)
     return len(train), len(test), len(classes)
 
 
@@ -96,7 +93,7 @@ def prepare(cfg: SimpleNamespace) -> None:
         download_cifar10(cfg.DATA_DIR)
     elif cfg.DATASET == "imagefolder":
         for split in ("train", "test"):  # sizes() has checked the folders and their classes
-            ensure_decoded(os.path.join(cfg.DATA_DIR, split), cfg.IMAGE_SIZE)
+            image_folder.ensure_decoded(os.path.join(cfg.DATA_DIR, split), cfg.IMAGE_SIZE)
 
 
 def check_sizes(cfg: SimpleNamespace, make_model: Callable[[int], torch.nn.Module], ranks: int) -> None:
@@ -151,19 +148,6 @@ def download_cifar10(data_dir: str, timeout_s: float = 60.0) -> None:
         socket.setdefaulttimeout(previous)
 
 
-def check_same_classes(data_dir: str, train: list[str], test: list[str]) -> None:
-    if train != test:
-        only_train, only_test = sorted(set(train) - set(test)), sorted(set(test) - set(train))
-        parts = [
-            f"only in train/: {', '.join(only_train)}" * bool(only_train),
-            f"only in test/: {', '.join(only_test)}" * bool(only_test),
-        ]
-        raise UserError(
-            f"{data_dir}/train and {data_dir}/test hold different class folders ({'; '.join(p for p in parts if p)}); "
-            f"give both the same class folders"
-        )
-
-
 # ----------------------------------------------------------------------------- readers
 
 
@@ -190,7 +174,9 @@ def read(cfg: SimpleNamespace) -> tuple[ImageSet, ImageSet]:
     if cfg.DATASET == "cifar10":
         return read_cifar10(cfg.DATA_DIR, train=True), read_cifar10(cfg.DATA_DIR, train=False)
     if cfg.DATASET == "imagefolder":
-        train, test = (cached_image_folder(os.path.join(cfg.DATA_DIR, s), cfg.IMAGE_SIZE) for s in ("train", "test"))
+        train, test = (
+            ImageSet(**image_folder.decoded(os.path.join(cfg.DATA_DIR, s), cfg.IMAGE_SIZE)) for s in ("train", "test")
+        )
         test.mean, test.std = train.mean, train.std
         return train, test
     train = make_synthetic(cfg.SYNTHETIC_SIZE, cfg.SEED, split=0, image_size=cfg.IMAGE_SIZE)
@@ -222,164 +208,6 @@ def read_cifar10(data_dir: str, train: bool) -> ImageSet:
     return ImageSet(pixels.contiguous(), labels, list(classes))
 
 
-def list_image_folder(root: str) -> tuple[list[str], list[tuple[str, int]]]:
-    """Class names (sorted sub-folder names; hidden folders such as .ipynb_checkpoints are skipped) and (path,
-    label) of every image file. Raises UserError for a missing folder, an empty class or a broken link."""
-    parent = os.path.dirname(root)
-    if not os.path.isdir(root):
-        if os.path.isfile(parent):
-            raise UserError(
-                f"DATA_DIR {parent} is a file, not a folder; point --data_dir at a folder with train/ and test/"
-            )
-        if not os.path.isdir(parent):
-            raise UserError(
-                f"DATA_DIR {parent} does not exist; point --data_dir at a folder with train/ and test/ inside"
-            )
-        raise UserError(
-            f"DATA_DIR {parent} has no {os.path.basename(root)}/ folder; DATASET=imagefolder reads "
-            f"{parent}/train/<class>/<image> and {parent}/test/<class>/<image>"
-        )
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-    if not classes:
-        raise UserError(f"{root} holds no class folders; put one sub-folder per class in it, with the images inside")
-    samples = []
-    for label, name in enumerate(classes):
-        files = sorted(f for f in os.listdir(os.path.join(root, name)) if f.lower().endswith(IMAGE_EXTENSIONS))
-        if not files:
-            raise UserError(
-                f"{os.path.join(root, name)} holds no images ({', '.join(IMAGE_EXTENSIONS[:3])}, ...); put the "
-                f"class's images in it or remove the folder"
-            )
-        samples += [(os.path.join(root, name, f), label) for f in files]
-    broken = [path for path, _ in samples if not os.path.exists(path)]
-    if broken:
-        raise UserError(
-            f"{len(broken)} file(s) in {root} are links to files that do not exist: {', '.join(broken[:3])}"
-            f"{' and more' if len(broken) > 3 else ''}; delete or replace them and rerun"
-        )
-    return classes, samples
-
-
-def ensure_decoded(root: str, size: int, listing: tuple[list[str], list[tuple[str, int]]] | None = None) -> str:
-    """Decode the image folder `root` into its cache file unless one for its current files exists; returns that
-    file. The cache is keyed by the image size and every file's path, size and modification time; the first
-    process decodes (under a file lock: the other ranks and machines sharing the folder wait instead)."""
-    classes, samples = listing or list_image_folder(root)
-    path = _cache_path(root, _cache_key(root, size, classes, samples))
-    with outputs.lock_file(os.path.join(os.path.dirname(path), f"{os.path.basename(root)}.lock")):
-        if not os.path.exists(path):  # written by a rename: if it is there, it is whole
-            images, resized = decode_images([p for p, _ in samples], root, size)
-            mean, std = channel_statistics(images)
-            labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
-            _write_cache(
-                path,
-                {"images": images, "labels": labels, "classes": classes, "resized": resized, "mean": mean, "std": std},
-            )
-    return path
-
-
-def cached_image_folder(root: str, size: int) -> ImageSet:
-    """The image folder `root`, decoded (once per machine; afterwards loaded in a fraction of a second)."""
-    path = ensure_decoded(root, size)
-    try:
-        cached = torch.load(path, weights_only=True)
-    except (OSError, RuntimeError) as e:
-        raise UserError(f"the decoded copy {path} cannot be read ({type(e).__name__}); delete it and rerun") from None
-    return ImageSet(
-        cached["images"], cached["labels"], cached["classes"], cached["mean"], cached["std"], cached["resized"]
-    )
-
-
-def decode_images(paths: list[str], root: str, size: int) -> tuple[torch.Tensor, int]:
-    """Every image as 3 x size x size uint8 (others stretched to the square, antialiased), decoded in chunks on
-    all cores, and how many were resized. Every file is checked: unreadable ones are named in one UserError (a
-    data set is refused rather than silently shrunk, and the user learns which files to replace)."""
-    chunks = [(paths[start : start + DECODE_CHUNK], size) for start in range(0, len(paths), DECODE_CHUNK)]
-    with _decoding_pool(len(chunks)) as pool:
-        decoded = list(pool.map(_decode_chunk, chunks))
-    problems = [problem for _, chunk_problems, _ in decoded for problem in chunk_problems]
-    if problems:
-        named = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-        raise UserError(
-            f"{len(problems)} of {len(paths)} images in {root} cannot be read: {named}; delete or replace "
-            f"{'it' if len(problems) == 1 else 'them'} and rerun"
-        )
-    images = torch.frombuffer(bytearray(b"".join(pixels for pixels, _, _ in decoded)), dtype=torch.uint8)
-    return images.view(len(paths), 3, size, size), sum(resized for _, _, resized in decoded)
-
-
-def _decoding_pool(chunks: int) -> Executor:
-    """Processes on Linux (decoding small images is mostly Python work, which threads cannot share out);
-    forked, so that they start at once without importing torch again. A thread elsewhere."""
-    if chunks > 1 and cpu_cores() > 1 and sys.platform.startswith("linux"):
-        return ProcessPoolExecutor(min(cpu_cores(), chunks), mp_context=multiprocessing.get_context("fork"))
-    return ThreadPoolExecutor(1)
-
-
-def _decode_chunk(job: tuple[list[str], int]) -> tuple[bytes, list[str], int]:
-    """Pixels of each image, channels first, as bytes; "path (reason)" for each unreadable one; how many
-    were resized."""
-    import numpy as np
-    from PIL import Image
-
-    paths, size = job
-    pixels, problems, resized = [], [], 0
-    for path in paths:
-        try:
-            with Image.open(path) as image:
-                image = image.convert("RGB")
-                if image.size != (size, size):
-                    image, resized = image.resize((size, size), Image.BILINEAR), resized + 1  # antialiased
-                pixels.append(np.asarray(image).transpose(2, 0, 1).tobytes())
-        except Exception as e:  # truncated, not an image, unsupported: the file is named, whatever the cause
-            problems.append(f"{path} ({first_line(e, 80)})")
-            pixels.append(bytes(3 * size * size))
-    return b"".join(pixels), problems, resized
-
-
-def channel_statistics(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and standard deviation of uint8 images, in 0..1 units (in chunks: no float copy of it all)."""
-    sums = torch.zeros(2, 3, dtype=torch.float64)
-    for chunk in images.split(4096):
-        x = chunk.transpose(0, 1).reshape(3, -1).double() / 255
-        sums += torch.stack([x.sum(dim=1), (x * x).sum(dim=1)])
-    count = images.numel() / 3
-    mean = sums[0] / count
-    std = (sums[1] / count - mean**2).clamp(min=1e-12).sqrt()
-    return tuple(mean.tolist()), tuple(std.tolist())
-
-
-def _cache_key(root: str, size: int, classes: list[str], samples: list[tuple[str, int]]) -> str:
-    digest = hashlib.sha256(f"{CACHE_FORMAT} {size} {classes}".encode())
-    for path, label in samples:
-        stat = os.stat(path)
-        digest.update(f"{os.path.relpath(path, root)} {label} {stat.st_size} {stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:16]
-
-
-def _cache_path(root: str, key: str) -> str:
-    """Beside the data (DATA_DIR/.decoded/) where that is writable, else in the user's cache folder."""
-    folder = os.path.join(os.path.dirname(os.path.abspath(root)), ".decoded")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        if not os.access(folder, os.W_OK):
-            raise OSError
-    except OSError:
-        user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        folder = os.path.join(user_cache, "resnet-ddp", hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:12])
-        os.makedirs(folder, exist_ok=True)
-    return os.path.join(folder, f"{os.path.basename(root)}-{key}.pt")
-
-
-def _write_cache(path: str, content: dict) -> None:
-    """Atomically, replacing the caches of earlier versions of the folder."""
-    split, folder = os.path.basename(path).rsplit("-", 1)[0], os.path.dirname(path)
-    for name in os.listdir(folder):
-        if name.startswith(f"{split}-") and name.endswith(".pt"):
-            os.remove(os.path.join(folder, name))
-    outputs.write_atomically(path, lambda temporary: torch.save(content, temporary))
-
-
 def make_synthetic(
     size: int, seed: int, split: int, num_classes: int = 10, image_size: int = 32, like: ImageSet | None = None
 ) -> ImageSet:
@@ -392,7 +220,7 @@ def make_synthetic(
     labels = torch.randint(num_classes, (size,), generator=g)
     noise = torch.randn(size, 3, image_size, image_size, generator=g)
     images = (255 * (0.25 + 0.5 * patterns[labels]) + 60 * noise).clamp(0, 255).to(torch.uint8)
-    mean, std = (like.mean, like.std) if like else channel_statistics(images)
+    mean, std = (like.mean, like.std) if like else image_folder.channel_statistics(images)
     return ImageSet(images, labels, [f"class_{c}" for c in range(num_classes)], mean, std)
 
 
@@ -422,17 +250,39 @@ def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
     return torch.where(index > size - 1, 2 * (size - 1) - index, index)
 
 
-def crop_and_flip(pixels: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
-    """Random crops of a reflect-padded image (shifts of up to `pad` pixels) and random horizontal flips, drawn
-    per image, done with one gather. pixels: uint8 (B, H, W, C); returns the same shape."""
+def crop_and_flip(
+    pixels: torch.Tensor, pad: int, generator: torch.Generator, flip: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Random crops of a reflect-padded image (shifts of up to `pad` pixels) and horizontal flips (random, or as
+    `flip` says: one bool per image), drawn per image, done with one gather. pixels: uint8 (B, H, W, C)."""
     batch, height, width, _ = pixels.shape
     device = pixels.device
     shifts = torch.randint(-pad, pad + 1, (2, batch, 1), generator=generator, device=device)
     rows = _reflect(torch.arange(height, device=device) + shifts[0], height)
     cols = _reflect(torch.arange(width, device=device) + shifts[1], width)
-    flip = torch.rand(batch, 1, generator=generator, device=device) < 0.5
-    cols = torch.where(flip, width - 1 - cols, cols)
+    if flip is None:
+        flip = torch.rand(batch, generator=generator, device=device) < 0.5
+    cols = torch.where(flip[:, None], width - 1 - cols, cols)
     return pixels[torch.arange(batch, device=device)[:, None, None], rows[:, :, None], cols[:, None, :]]
+
+
+def alternating_flips(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """Which images are mirrored in this epoch: each image in every other epoch, from a first choice drawn once
+    per image (the same on every rank), so that every image is seen both ways in every two epochs."""
+    first = torch.rand(n, generator=torch.Generator().manual_seed(seed_for(seed, -1))) < 0.5
+    return first ^ (epoch % 2 == 0)
+
+
+def test_views(x: torch.Tensor, mirror: bool, shifts: bool) -> list[tuple[float, torch.Tensor]]:
+    """Test-time augmentation: (weight, view) pairs whose weighted logits are summed. The image and (mirror) its
+    mirror image; with shifts, half the weight goes to both moved by one pixel up-left and down-right."""
+    groups = [[x]]
+    if shifts:
+        padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+        groups.append([padded[..., :-2, :-2], padded[..., 2:, 2:]])
+    if mirror:
+        groups = [[view for image in group for view in (image, image.flip(3))] for group in groups]
+    return [(1 / len(groups) / len(group), view) for group in groups for view in group]
 
 
 class DeviceLoader:
@@ -445,10 +295,12 @@ class DeviceLoader:
         device: torch.device,
         augment: bool = False,
         memory_format: torch.memory_format = torch.contiguous_format,
+        alternate_flips: bool = False,
     ) -> None:
         self.pixels = data.images.permute(0, 2, 3, 1).contiguous().to(device)  # NHWC: a batch is one gather
         self.labels = data.labels.to(device)
         self.device, self.augment, self.memory_format = device, augment, memory_format
+        self.alternate_flips = alternate_flips  # else each image is mirrored at random
         self.crop_pad = max(1, round(data.images.shape[-1] / 8))  # 4 pixels at 32x32, 8 at 64x64
         self.mean = torch.tensor(data.mean, device=device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(data.std, device=device).view(1, 3, 1, 1) * 255
@@ -467,11 +319,12 @@ class DeviceLoader:
         indices = shard_indices(len(self), world_size, rank, seed, epoch).to(self.device)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed_for(seed, epoch, rank))  # augmentation differs per rank
+        flips = alternating_flips(len(self), seed, epoch).to(self.device) if self.alternate_flips else None
         for step in range(self.steps_per_epoch(global_batch)):
             batch = indices[step * local_batch : (step + 1) * local_batch]
             pixels = self.pixels[batch]
             if self.augment:
-                pixels = crop_and_flip(pixels, self.crop_pad, generator)
+                pixels = crop_and_flip(pixels, self.crop_pad, generator, None if flips is None else flips[batch])
             yield self.normalise(pixels), self.labels[batch]
 
     def eval_batches(

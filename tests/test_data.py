@@ -10,9 +10,14 @@ from PIL import Image
 from torchvision.datasets import CIFAR10
 
 import data
+import image_folder
 from data import DeviceLoader, ImageSet, crop_and_flip, shard_indices
 from processes import UserError
 from tests.conftest import read_config
+
+
+def cached_image_folder(root: str, size: int) -> ImageSet:
+    return ImageSet(**image_folder.decoded(root, size))
 
 
 def folder_config(root, *extra: str):
@@ -156,9 +161,9 @@ def small_folder(root, images: int = 3):
 
 def count_decodes(monkeypatch) -> list:
     calls = []
-    original = data.decode_images
+    original = image_folder.decode_images
     monkeypatch.setattr(
-        data, "decode_images", lambda paths, root, size: (calls.append(root), original(paths, root, size))[1]
+        image_folder, "decode_images", lambda paths, root, size: (calls.append(root), original(paths, root, size))[1]
     )
     return calls
 
@@ -166,14 +171,14 @@ def count_decodes(monkeypatch) -> list:
 def test_an_image_folder_is_decoded_once_and_reused_until_a_file_changes(tmp_path, monkeypatch):
     small_folder(tmp_path)
     calls = count_decodes(monkeypatch)
-    first = data.cached_image_folder(str(tmp_path / "train"), 32)
-    again = data.cached_image_folder(str(tmp_path / "train"), 32)
+    first = cached_image_folder(str(tmp_path / "train"), 32)
+    again = cached_image_folder(str(tmp_path / "train"), 32)
     assert (
         len(calls) == 1 and torch.equal(first.images, again.images) and first.labels.tolist() == [0, 1, 1]
     )  # cat/1, dog/0, dog/2
     assert [p.name for p in (tmp_path / ".decoded").glob("train-*.pt")]  # beside the data
     write_png(tmp_path / "train" / "dog" / "0.png", torch.zeros(32, 32, 3, dtype=torch.uint8))  # one file changes
-    changed = data.cached_image_folder(str(tmp_path / "train"), 32)
+    changed = cached_image_folder(str(tmp_path / "train"), 32)
     assert len(calls) == 2 and changed.images[1].sum() == 0
     assert len(list((tmp_path / ".decoded").glob("train-*.pt"))) == 1  # the outdated cache is gone
 
@@ -182,7 +187,7 @@ def test_machines_ranks_decode_a_folder_once_between_them(tmp_path, monkeypatch)
     small_folder(tmp_path, images=20)
     calls = count_decodes(monkeypatch)
     with ThreadPoolExecutor(3) as pool:  # a lock per folder: one decodes, the others wait and load
-        sets = list(pool.map(lambda _: data.cached_image_folder(str(tmp_path / "train"), 32), range(3)))
+        sets = list(pool.map(lambda _: cached_image_folder(str(tmp_path / "train"), 32), range(3)))
     assert len(calls) == 1 and all(torch.equal(s.images, sets[0].images) for s in sets)
 
 
@@ -190,7 +195,7 @@ def test_a_read_only_data_dir_caches_in_the_users_cache_folder(tmp_path, monkeyp
     small_folder(tmp_path / "data")
     (tmp_path / "data" / ".decoded").write_text("in the way, as a read-only DATA_DIR would be")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    data.cached_image_folder(str(tmp_path / "data" / "train"), 32)
+    cached_image_folder(str(tmp_path / "data" / "train"), 32)
     assert list((tmp_path / "cache" / "resnet-ddp").glob("*/train-*.pt"))
 
 
@@ -248,14 +253,14 @@ def test_synthetic_classes_are_learnable_by_their_colour():
 def test_decoding_in_chunks_on_all_cores_names_every_damaged_file(tmp_path, monkeypatch):
     small_folder(tmp_path, images=7)
     (tmp_path / "train" / "cat" / "broken.png").write_bytes(b"not a picture")
-    monkeypatch.setattr(data, "DECODE_CHUNK", 2)  # several chunks: decoded by a pool of processes
+    monkeypatch.setattr(image_folder, "DECODE_CHUNK", 2)  # several chunks: decoded by a pool of processes
     with pytest.raises(UserError, match=r"1 of 8 images in .*train cannot be read: .*broken\.png \(cannot identify"):
-        data.cached_image_folder(str(tmp_path / "train"), 32)
+        cached_image_folder(str(tmp_path / "train"), 32)
     (tmp_path / "train" / "cat" / "broken.png").unlink()
-    chunked = data.cached_image_folder(str(tmp_path / "train"), 32)
-    monkeypatch.setattr(data, "DECODE_CHUNK", 2_000)
+    chunked = cached_image_folder(str(tmp_path / "train"), 32)
+    monkeypatch.setattr(image_folder, "DECODE_CHUNK", 2_000)
     shutil.rmtree(tmp_path / ".decoded")
-    assert torch.equal(chunked.images, data.cached_image_folder(str(tmp_path / "train"), 32).images)
+    assert torch.equal(chunked.images, cached_image_folder(str(tmp_path / "train"), 32).images)
 
 
 # ----------------------------------------------------------------------------- own data as users bring it

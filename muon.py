@@ -1,0 +1,52 @@
+"""Muon for the convolution filters, Nesterov SGD for everything else, in one optimizer.
+
+Muon (momentum, then orthogonalisation) takes each filter bank's momentum as a matrix (out_channels x the rest)
+and replaces it by the nearest matrix whose singular values are all about 1, with a few Newton-Schulz iterations:
+every direction of the update moves by about the same amount, however unequal the gradient's directions are.
+Own implementation (torch.optim.Muon, torch 2.9 and newer, takes only 2-D parameters); it runs on torch 2.4 on.
+"""
+
+import torch
+
+# The quintic Newton-Schulz iteration's coefficients, chosen (by Muon's authors) to push every singular value of a
+# matrix scaled to norm 1 towards 1 in five steps.
+NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
+STEPS = 5
+
+
+def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
+    """About U V^T of matrix = U S V^T, by five Newton-Schulz iterations (in fp32)."""
+    a, b, c = NEWTON_SCHULZ
+    x = matrix.float()
+    tall = x.size(0) > x.size(1)
+    if tall:  # iterate on the smaller Gram matrix
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(STEPS):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.T if tall else x).to(matrix.dtype)
+
+
+class MuonSGD(torch.optim.Optimizer):
+    """Nesterov momentum for every parameter; for 4-D ones (convolution filters) the step is orthogonalised and
+    scaled to the shape, `muon_scale` times the group's learning rate. L2 weight decay as SGD adds it."""
+
+    def __init__(self, params, lr: float, momentum: float, weight_decay: float, muon_scale: float) -> None:
+        super().__init__(
+            params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "muon_scale": muon_scale}
+        )
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in (p for p in group["params"] if p.grad is not None):
+                grad = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad
+                buffer = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buffer.mul_(group["momentum"]).add_(grad)
+                update = grad.add(buffer, alpha=group["momentum"])  # Nesterov
+                if p.ndim == 4:
+                    rows, columns = len(p), p[0].numel()
+                    shape = max(1.0, rows / columns) ** 0.5  # as a square matrix's steps, for tall ones
+                    update = orthogonalise(update.reshape(rows, -1)).view_as(p) * (group["muon_scale"] * shape)
+                p.add_(update, alpha=-group["lr"])
