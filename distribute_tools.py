@@ -192,6 +192,12 @@ def bf16_is_fast(device: torch.device) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (GPUs run asynchronously; CPUs have nothing queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def cpu_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))

@@ -21,7 +21,6 @@ What the default recipe does, and what it measured (docs/performance.md and docs
     (width 8, 2 AVX2 CPU ranks: python -m benchmarks.writer_stall)
 """
 
-import math
 import os
 import sys
 import time
@@ -206,7 +205,7 @@ def train(run: Run) -> None:
             for epoch in range(len(history) + 1, cfg.EPOCHS + 1):
                 started = time.perf_counter()
                 (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
-                stop_if_diverged(loss_sum, epoch, cfg)
+                resume.stop_if_diverged(loss_sum, epoch, cfg)  # every rank sees the all-reduced sums alike
                 test_loss, acc = evaluate(run)
                 epoch_seconds = time.perf_counter() - started
                 # every rank: rank 0 waits for the previous epoch's files (a failed write stops every rank)
@@ -272,7 +271,7 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
     progress = outputs.Progress(dist_info.is_main, cfg.PROGRESS_EVERY, epoch, cfg.EPOCHS, steps, dist_info.world_size)
     sums = torch.zeros(3, device=dist_info.device)  # on the device: no host sync per step
     run.ddp_model.train()
-    synchronize(dist_info.device)
+    distribute_tools.synchronize(dist_info.device)
     started, lr, loss_fn = time.perf_counter(), 0.0, loss_function(cfg)
     # DDP: this rank's shard of the epoch (every rank draws the same permutation and takes its own part)
     batches = run.train_data.train_batches(cfg.BATCH_SIZE, dist_info.world_size, dist_info.rank, cfg.SEED, epoch)
@@ -280,7 +279,7 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
         lr = lr_at((epoch - 1) * steps + step, cfg.EPOCHS * steps, peak_lr(cfg), cfg.SCHEDULE, cfg.WARMUP)
         train_step(run, x, y, lr, loss_fn, sums)
         progress.update(step, sums)
-    synchronize(dist_info.device)
+    distribute_tools.synchronize(dist_info.device)
     seconds = time.perf_counter() - started
     progress.close()
     dist.all_reduce(sums)  # DDP: the epoch's sums over all ranks, once
@@ -308,16 +307,6 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: n
         run.averaged.update_parameters(run.model)
 
 
-def stop_if_diverged(loss_sum: float, epoch: int, cfg: SimpleNamespace) -> None:
-    """The sums are all-reduced: every rank sees a non-finite loss and stops together."""
-    if not math.isfinite(loss_sum):
-        kept = f"kept the checkpoint of epoch {epoch - 1}" if epoch > 1 else "no checkpoint was written"
-        raise UserError(
-            f"the training loss became {loss_sum} in epoch {epoch}; stopped every rank and {kept} in "
-            f"{cfg.OUTPUT_DIR}; lower --lr (now {cfg.LR}) and start a new run"
-        )
-
-
 # ----------------------------------------------------------------------------- evaluation
 
 
@@ -340,11 +329,6 @@ def evaluate(run: Run) -> tuple[float, float]:
     dist.all_reduce(sums)  # DDP: the test sums over all ranks
     loss_sum, correct, images = sums.tolist()
     return loss_sum / images, correct / images
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------- the launcher

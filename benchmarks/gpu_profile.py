@@ -15,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import config
+import distribute_tools
 import train_distribute as td
 from distribute_tools import cleanup, setup
 from processes import free_port
@@ -48,13 +49,13 @@ def main() -> None:
     for _ in range(5):  # warm-up: cudnn's choice of kernels, the compiler, the allocator
         x, y = next(batches)
         td.train_step(run, x, y, 0.1, loss_fn, sums)
-    td.synchronize(info.device)
+    distribute_tools.synchronize(info.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
     with profile(activities=activities) as profiler:
         started = time.perf_counter()
         for x, y in batches:
             td.train_step(run, x, y, 0.1, loss_fn, sums)
-        td.synchronize(info.device)
+        distribute_tools.synchronize(info.device)
         wall = time.perf_counter() - started
     busy = busy_seconds(profiler)
     print(

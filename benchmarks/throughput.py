@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 import config
+import distribute_tools
 import outputs
 import train_distribute as td
 from data import make_synthetic
@@ -99,9 +100,9 @@ def seed_pipeline_worker(rank: int, world_size: int, args: argparse.Namespace, b
         loss.backward()
         optimizer.step()
         if step == args.warmup - 1:  # the timed window starts before the first timed batch is loaded
-            td.synchronize(info.device)
+            distribute_tools.synchronize(info.device)
             started = time.perf_counter()
-    td.synchronize(info.device)
+    distribute_tools.synchronize(info.device)
     seconds = time.perf_counter() - started
     memory = outputs.all_ranks_peak_memory_mb(info.device)
     if info.is_main:
@@ -178,11 +179,11 @@ def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format
     flops_per_image = counter.get_total_flops() / args.batch_size
     for _ in range(max(args.warmup, 3 if args.compile else 1)):
         step()
-    td.synchronize(device)
+    distribute_tools.synchronize(device)
     started = time.perf_counter()
     for _ in range(args.steps):
         step()
-    td.synchronize(device)
+    distribute_tools.synchronize(device)
     return args.steps * args.batch_size / (time.perf_counter() - started), flops_per_image
 
 

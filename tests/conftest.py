@@ -72,8 +72,12 @@ class Server:
             return json.loads(self.process.stdout.readline())
 
     def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=30)
+        self.process.stdin.close()  # the server ends when its input does
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # still importing, on a busy machine
+            self.process.kill()
+            self.process.wait()
 
 
 SERVER: list[Server] = []

@@ -21,7 +21,10 @@ def test_the_block_is_read_with_types_defaults_comments_and_choices():
         assert getattr(td, s.name) == s.default and s.help, s.name
     assert BY_NAME["EPOCHS"].kind is int and BY_NAME["LR"].kind is float and BY_NAME["RESUME"].kind is bool
     assert BY_NAME["DATASET"].choices == ("cifar10", "imagefolder", "synthetic")
-    assert BY_NAME["OPTIMIZER"].choices == ("sgd", "adam") and BY_NAME["SCHEDULE"].choices == ("onecycle", "constant")
+    assert BY_NAME["OPTIMIZER"].choices == ("sgd", "adam", "muon") and BY_NAME["SCHEDULE"].choices == (
+        "onecycle",
+        "constant",
+    )
     assert BY_NAME["EPOCHS"].help == "passes over the training set"
     assert BY_NAME["WIDTH"].group[0] == "model" and BY_NAME["EPOCHS"].group[0] == "recipe"
     assert set(config.LIMITS) <= set(BY_NAME) and set(config.FREE_ON_RESUME) <= set(BY_NAME)
@@ -35,7 +38,7 @@ def test_help_lists_every_setting_with_its_default_comment_and_choices():
         assert f"{s.option} " in text, s.name
         assert " ".join(s.help.split()[:4]) in text, s.name
     assert "--epochs N passes over the training set (default: 30)" in text
-    assert "--dataset {cifar10,imagefolder,synthetic}" in text and "--optimizer {sgd,adam}" in text
+    assert "--dataset {cifar10,imagefolder,synthetic}" in text and "--optimizer {sgd,adam,muon}" in text
     assert "--schedule {onecycle,constant}" in text
 
 
@@ -92,17 +95,8 @@ def test_bad_arguments_are_one_line_naming_the_fix(argv, message):
 
 def script_copy(tmp_path, old: str, new: str):
     """A copy of the project with one line of the settings block edited."""
-    for name in (
-        "train_distribute.py",
-        "config.py",
-        "data.py",
-        "distribute_tools.py",
-        "outputs.py",
-        "resnet.py",
-        "processes.py",
-        "resume.py",
-    ):
-        shutil.copy(ROOT / name, tmp_path / name)
+    for source in ROOT.glob("*.py"):
+        shutil.copy(source, tmp_path / source.name)
     script = tmp_path / "train_distribute.py"
     text = script.read_text()
     assert old in text
@@ -115,7 +109,11 @@ def script_copy(tmp_path, old: str, new: str):
     [
         ("EPOCHS: int = 30", "EPOCHS = 30", "EPOCHS at line"),
         ("LR: float = 0.4", 'LR: float = "fast"', "is not a number"),
-        ('OPTIMIZER: Literal["sgd", "adam"] = "sgd"', 'OPTIMIZER: Literal["sgd", "adam"] = "lion"', "is unknown"),
+        (
+            'OPTIMIZER: Literal["sgd", "adam", "muon"] = "sgd"',
+            'OPTIMIZER: Literal["sgd", "adam", "muon"] = "lion"',
+            "is unknown",
+        ),
     ],
 )
 def test_a_wrong_value_in_the_file_is_named(tmp_path, old, new, message):

@@ -1,0 +1,33 @@
+"""Muon: the orthogonalisation, and the optimizer that applies it to the convolution filters only."""
+
+import torch
+
+import muon
+
+
+def test_orthogonalise_makes_every_singular_value_about_one():
+    g = torch.Generator().manual_seed(0)
+    for shape in ((16, 144), (64, 32), (8, 8)):
+        u, _, v = torch.linalg.svd(torch.randn(shape, generator=g), full_matrices=False)
+        matrix = u @ torch.diag(torch.logspace(0, -1.3, min(shape))) @ v  # singular values from 1 to 0.05
+        values = torch.linalg.svdvals(muon.orthogonalise(matrix))
+        assert values.min() > 0.5 and values.max() < 1.3, values  # Newton-Schulz's five steps: a band around 1
+
+
+def test_filters_step_orthogonalised_and_the_rest_as_nesterov_sgd():
+    g = torch.Generator().manual_seed(1)
+    conv = torch.nn.Parameter(torch.randn(8, 4, 3, 3, generator=g))
+    bias = torch.nn.Parameter(torch.randn(8, generator=g))
+    twin = torch.nn.Parameter(bias.detach().clone())
+    optimizer = muon.MuonSGD([conv, bias], lr=0.1, momentum=0.9, weight_decay=0.0, muon_scale=0.2)
+    sgd = torch.optim.SGD([twin], lr=0.1, momentum=0.9, nesterov=True)
+    before = conv.detach().clone()
+    for _ in range(2):
+        conv.grad, bias.grad = torch.randn(8, 4, 3, 3, generator=g), torch.randn(8, generator=g)
+        twin.grad = bias.grad.clone()
+        optimizer.step()
+        sgd.step()
+    torch.testing.assert_close(bias, twin)  # not a filter: plain Nesterov SGD
+    step = (conv - before).reshape(8, -1)
+    values = torch.linalg.svdvals(step)
+    assert values.max() / values.min() < 3  # every direction moved by about as much
