@@ -38,7 +38,6 @@ FREE_ON_RESUME = (
     "ACCUMULATE",
     "BF16_ALLREDUCE",
     "TTA",
-    "TTA_SHIFTS",
     "COLLECTIVE_TIMEOUT",
     "PROGRESS_EVERY",
 )
@@ -56,7 +55,6 @@ LIMITS = {
     "LABEL_SMOOTHING": (0, 0.99),
     "MOMENTUM": (0, 0.999),
     "WEIGHT_DECAY": (0, 1),
-    "EMA": (0, 0.9999),
 }
 DESCRIPTION = (
     "Train a ResNet with DistributedDataParallel. Every setting is a constant at the top of train_distribute.py; "
@@ -244,8 +242,6 @@ def check_against_machine(cfg: SimpleNamespace, world_size: int, gpus: int) -> N
             f"BATCH_SIZE={cfg.BATCH_SIZE} does not split evenly over {world_size} ranks x {cfg.ACCUMULATE} "
             f"micro-batches; use a multiple of {world_size * cfg.ACCUMULATE}"
         )
-    if cfg.EMA and cfg.RESUME:
-        raise UserError("EMA with RESUME is not supported yet; start a new run")
     if cfg.SYNC_BN and not gpus:
         raise UserError("SYNC_BN=True needs GPUs (torch's SyncBatchNorm runs on CUDA only); use --sync_bn False")
 

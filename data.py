@@ -25,9 +25,6 @@ from processes import UserError, first_line
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's published, 0..1 units
 CIFAR_ARCHIVE, CIFAR_SIZES = "cifar-10-python.tar.gz", (50_000, 10_000, 10)  # train images, test images, classes
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-CACHE_FORMAT = 2  # bump when the cache's content changes meaning
-DECODE_CHUNK = 2_000  # images per decoding task
 
 
 @dataclass
@@ -250,39 +247,17 @@ def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
     return torch.where(index > size - 1, 2 * (size - 1) - index, index)
 
 
-def crop_and_flip(
-    pixels: torch.Tensor, pad: int, generator: torch.Generator, flip: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Random crops of a reflect-padded image (shifts of up to `pad` pixels) and horizontal flips (random, or as
-    `flip` says: one bool per image), drawn per image, done with one gather. pixels: uint8 (B, H, W, C)."""
+def crop_and_flip(pixels: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
+    """Random crops of a reflect-padded image (shifts of up to `pad` pixels) and random horizontal flips, drawn
+    per image, done with one gather. pixels: uint8 (B, H, W, C); returns the same shape."""
     batch, height, width, _ = pixels.shape
     device = pixels.device
     shifts = torch.randint(-pad, pad + 1, (2, batch, 1), generator=generator, device=device)
     rows = _reflect(torch.arange(height, device=device) + shifts[0], height)
     cols = _reflect(torch.arange(width, device=device) + shifts[1], width)
-    if flip is None:
-        flip = torch.rand(batch, generator=generator, device=device) < 0.5
-    cols = torch.where(flip[:, None], width - 1 - cols, cols)
+    flip = torch.rand(batch, 1, generator=generator, device=device) < 0.5
+    cols = torch.where(flip, width - 1 - cols, cols)
     return pixels[torch.arange(batch, device=device)[:, None, None], rows[:, :, None], cols[:, None, :]]
-
-
-def alternating_flips(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """Which images are mirrored in this epoch: each image in every other epoch, from a first choice drawn once
-    per image (the same on every rank), so that every image is seen both ways in every two epochs."""
-    first = torch.rand(n, generator=torch.Generator().manual_seed(seed_for(seed, -1))) < 0.5
-    return first ^ (epoch % 2 == 0)
-
-
-def test_views(x: torch.Tensor, mirror: bool, shifts: bool) -> list[tuple[float, torch.Tensor]]:
-    """Test-time augmentation: (weight, view) pairs whose weighted logits are summed. The image and (mirror) its
-    mirror image; with shifts, half the weight goes to both moved by one pixel up-left and down-right."""
-    groups = [[x]]
-    if shifts:
-        padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
-        groups.append([padded[..., :-2, :-2], padded[..., 2:, 2:]])
-    if mirror:
-        groups = [[view for image in group for view in (image, image.flip(3))] for group in groups]
-    return [(1 / len(groups) / len(group), view) for group in groups for view in group]
 
 
 class DeviceLoader:
@@ -295,12 +270,10 @@ class DeviceLoader:
         device: torch.device,
         augment: bool = False,
         memory_format: torch.memory_format = torch.contiguous_format,
-        alternate_flips: bool = False,
     ) -> None:
         self.pixels = data.images.permute(0, 2, 3, 1).contiguous().to(device)  # NHWC: a batch is one gather
         self.labels = data.labels.to(device)
         self.device, self.augment, self.memory_format = device, augment, memory_format
-        self.alternate_flips = alternate_flips  # else each image is mirrored at random
         self.crop_pad = max(1, round(data.images.shape[-1] / 8))  # 4 pixels at 32x32, 8 at 64x64
         self.mean = torch.tensor(data.mean, device=device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(data.std, device=device).view(1, 3, 1, 1) * 255
@@ -319,12 +292,11 @@ class DeviceLoader:
         indices = shard_indices(len(self), world_size, rank, seed, epoch).to(self.device)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed_for(seed, epoch, rank))  # augmentation differs per rank
-        flips = alternating_flips(len(self), seed, epoch).to(self.device) if self.alternate_flips else None
         for step in range(self.steps_per_epoch(global_batch)):
             batch = indices[step * local_batch : (step + 1) * local_batch]
             pixels = self.pixels[batch]
             if self.augment:
-                pixels = crop_and_flip(pixels, self.crop_pad, generator, None if flips is None else flips[batch])
+                pixels = crop_and_flip(pixels, self.crop_pad, generator)
             yield self.normalise(pixels), self.labels[batch]
 
     def eval_batches(

@@ -4,9 +4,12 @@ Muon (momentum, then orthogonalisation) takes each filter bank's momentum as a m
 and replaces it by the nearest matrix whose singular values are all about 1, with a few Newton-Schulz iterations:
 every direction of the update moves by about the same amount, however unequal the gradient's directions are.
 Own implementation (torch.optim.Muon, torch 2.9 and newer, takes only 2-D parameters); it runs on torch 2.4 on.
+The orthogonalisation costs about as much as a small forward pass; in a process group each rank does a share of
+the filter banks and the ranks exchange the results, so the work is split rather than repeated on every rank.
 """
 
 import torch
+import torch.distributed as dist
 
 # The quintic Newton-Schulz iteration's coefficients, chosen (by Muon's authors) to push every singular value of a
 # matrix scaled to norm 1 towards 1 in five steps.
@@ -25,7 +28,7 @@ def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
     for _ in range(STEPS):
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return (x.T if tall else x).to(matrix.dtype)
+    return (x.T if tall else x).contiguous().to(matrix.dtype)
 
 
 class MuonSGD(torch.optim.Optimizer):
@@ -39,6 +42,7 @@ class MuonSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        filters = []  # (parameter, Nesterov update, step size): orthogonalised together below
         for group in self.param_groups:
             for p in (p for p in group["params"] if p.grad is not None):
                 grad = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad
@@ -46,7 +50,27 @@ class MuonSGD(torch.optim.Optimizer):
                 buffer.mul_(group["momentum"]).add_(grad)
                 update = grad.add(buffer, alpha=group["momentum"])  # Nesterov
                 if p.ndim == 4:
-                    rows, columns = len(p), p[0].numel()
-                    shape = max(1.0, rows / columns) ** 0.5  # as a square matrix's steps, for tall ones
-                    update = orthogonalise(update.reshape(rows, -1)).view_as(p) * (group["muon_scale"] * shape)
-                p.add_(update, alpha=-group["lr"])
+                    filters.append((p, update, group["lr"] * group["muon_scale"]))
+                else:
+                    p.add_(update, alpha=-group["lr"])
+        for (p, _, lr), update in zip(filters, orthogonalise_shared([u for _, u, _ in filters]), strict=True):
+            shape = max(1.0, len(p) / p[0].numel()) ** 0.5  # as a square matrix's steps, for tall ones
+            p.add_(update.view_as(p), alpha=-lr * shape)
+
+
+def orthogonalise_shared(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each update orthogonalised as a matrix (rows x the rest). In a process group, rank r orthogonalises the
+    updates it owns (the largest first, dealt out in turn) and broadcasts them; every rank receives the others'.
+    The updates are the same on every rank (DDP averaged the gradients), so the results are too."""
+    grouped = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+    by_size = sorted(range(len(updates)), key=lambda i: -updates[i].numel())
+    owner = {i: turn % world_size for turn, i in enumerate(by_size)}
+    results = [
+        orthogonalise(u.reshape(len(u), -1)) if owner[i] == rank else u.new_empty(len(u), u[0].numel())
+        for i, u in enumerate(updates)
+    ]
+    if world_size > 1:  # the same order on every rank: each broadcast meets its counterpart
+        for work in [dist.broadcast(r, src=owner[i], async_op=True) for i, r in enumerate(results)]:
+            work.wait()
+    return results

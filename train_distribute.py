@@ -64,20 +64,16 @@ RELU_AFTER_SUM: bool = True  # ReLU on each residual block's sum, as standard Re
 # AUGMENT=False TTA=False RELU_AFTER_SUM=False
 EPOCHS: int = 30  # passes over the training set
 BATCH_SIZE: int = 512  # global batch: images per optimizer step over all ranks together, split evenly between them
-OPTIMIZER: Literal["sgd", "adam", "muon"] = "sgd"  # sgd: Nesterov momentum; adam: the seed's; muon: muon.py
-LR: float = 0.4  # peak learning rate; sgd: per 512 images (the run uses LR * BATCH_SIZE / 512); adam: as given
+OPTIMIZER: Literal["sgd", "adam", "muon"] = "muon"  # muon: Muon on the filters, sgd on the rest; adam: the seed's
+LR: float = 0.4  # peak learning rate; sgd, muon: per 512 images (the run uses LR * BATCH_SIZE / 512); adam: as given
 SCHEDULE: Literal["onecycle", "constant"] = "onecycle"  # onecycle: linear warm-up to the peak, then down to 0
 WARMUP: float = 0.2  # onecycle: fraction of all steps spent warming up
-MOMENTUM: float = 0.9  # sgd: Nesterov momentum
+MOMENTUM: float = 0.9  # sgd, muon: Nesterov momentum
 WEIGHT_DECAY: float = 5e-4  # L2 penalty, multiplied by the (batch-scaled) LR each step
 LABEL_SMOOTHING: float = 0.2  # share of each training target spread evenly over all classes (0: plain cross-entropy)
 AUGMENT: bool = True  # random crops (shifts of up to an eighth of the image, reflect padding) and flips, on the device
 TTA: bool = True  # test-time augmentation: average the logits of each test image and its mirror image
-TTA_SHIFTS: bool = False  # test-time augmentation also over one-pixel shifts of each image (3x the evaluation)
-ALTERNATE_FLIPS: bool = False  # mirror each training image in every other epoch instead of at random
-NORM_BIAS_DECAY: bool = True  # weight decay on BatchNorm and bias parameters too (False: on weight matrices only)
-EMA: float = 0.0  # evaluate and save a moving average of the weights, keeping this share of it per step (0: off)
-MUON_SCALE: float = 0.1  # muon: the step of the convolution filters, per unit of LR
+MUON_SCALE: float = 0.1  # muon: the filters' orthogonalised step, per unit of LR (the run's, batch-scaled)
 SEED: int = 0  # model init, data order and augmentation derive from SEED, the epoch and the rank only
 
 # speed and hardware (a resumed run may change these)
@@ -113,7 +109,6 @@ class Run:
     data: dict[str, Any]  # what the checkpoint records of the data: identity, classes, normalisation
     bf16: bool
     launched_at: float  # time.time() when the launcher started (under torchrun: when this worker started)
-    averaged: nn.Module | None = None  # EMA: the moving average of the weights, which evaluation uses
 
     @property
     def steps_per_epoch(self) -> int:
@@ -152,18 +147,12 @@ def build_run(cfg: SimpleNamespace, dist_info: DistInfo, launched_at: float) -> 
     if cfg.COMPILE:
         ddp_model = torch.compile(ddp_model)  # after wrapping, so DDP's bucketed all-reduce keeps overlapping
     loaders = [
-        data.DeviceLoader(s, device, cfg.AUGMENT and s is train_set, memory_format, cfg.ALTERNATE_FLIPS)
-        for s in (train_set, test_set)
+        data.DeviceLoader(s, device, cfg.AUGMENT and s is train_set, memory_format) for s in (train_set, test_set)
     ]
     optimizer = make_optimizer(cfg, model, device)
     bf16 = cfg.AMP and distribute_tools.bf16_is_fast(device)
-    averaged = None
-    if cfg.EMA:
-        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
-        averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.EMA), use_buffers=True)
     record = data.record(train_set, test_set)
-    return Run(cfg, dist_info, model, ddp_model, optimizer, *loaders, record, bf16, launched_at, averaged)
+    return Run(cfg, dist_info, model, ddp_model, optimizer, *loaders, record, bf16, launched_at)
 
 
 def make_model(cfg: SimpleNamespace, num_classes: int) -> nn.Module:
@@ -172,21 +161,14 @@ def make_model(cfg: SimpleNamespace, num_classes: int) -> nn.Module:
 
 
 def make_optimizer(cfg: SimpleNamespace, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    """One fused kernel per step on GPUs, foreach (a few batched kernels) elsewhere. Without NORM_BIAS_DECAY,
-    BatchNorm's and the biases' parameters (the 1-D ones) have no weight decay."""
-    decayed = [p for p in model.parameters() if cfg.NORM_BIAS_DECAY or p.ndim > 1]
-    groups = [
-        {"params": decayed},
-        {"params": [p for p in model.parameters() if p.ndim <= 1 and not cfg.NORM_BIAS_DECAY], "weight_decay": 0.0},
-    ]
-    groups = [group for group in groups if group["params"]]
+    """One fused kernel per step on GPUs, foreach (a few batched kernels) elsewhere; muon: muon.py."""
     if cfg.OPTIMIZER == "muon":
-        return muon.MuonSGD(groups, peak_lr(cfg), cfg.MOMENTUM, cfg.WEIGHT_DECAY, cfg.MUON_SCALE)
+        return muon.MuonSGD(model.parameters(), peak_lr(cfg), cfg.MOMENTUM, cfg.WEIGHT_DECAY, cfg.MUON_SCALE)
     kernels = {"fused" if device.type == "cuda" else "foreach": True}
     options: dict[str, Any] = {"lr": peak_lr(cfg), "weight_decay": cfg.WEIGHT_DECAY, **kernels}
     if cfg.OPTIMIZER == "adam":
-        return torch.optim.Adam(groups, **options)
-    return torch.optim.SGD(groups, momentum=cfg.MOMENTUM, nesterov=True, **options)
+        return torch.optim.Adam(model.parameters(), **options)
+    return torch.optim.SGD(model.parameters(), momentum=cfg.MOMENTUM, nesterov=True, **options)
 
 
 # ----------------------------------------------------------------------------- the epoch loop
@@ -237,8 +219,7 @@ def train(run: Run) -> None:
 
 def checkpoint(run: Run, history: list[dict[str, float]]) -> dict[str, Any]:
     """What checkpoint.pt holds: weights (no DDP prefixes), optimizer, the rows so far, what resume checks."""
-    evaluated = run.averaged.module if run.averaged is not None else run.model  # the weights "acc" is of
-    state = {"model": evaluated.state_dict(), "optimizer": run.optimizer.state_dict(), "history": history}
+    state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "history": history}
     return {**state, "epoch": len(history), "config": vars(run.cfg), "data": run.data, "run_ids": resume.run_ids()}
 
 
@@ -303,8 +284,6 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: n
         sums[1] += (logits.argmax(dim=1) == ys).sum()
         sums[2] += len(ys)
     run.optimizer.step()
-    if run.averaged is not None:
-        run.averaged.update_parameters(run.model)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -314,18 +293,19 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: n
 def evaluate(run: Run) -> tuple[float, float]:
     """Mean test loss and accuracy over the whole test set, each image exactly once: every rank evaluates its own
     part with the plain network (never the DDP wrapper), then the sums meet."""
-    model = run.averaged.module if run.averaged is not None else run.model
-    for buffer in model.buffers():  # DDP: every rank evaluates with rank 0's BatchNorm statistics
+    for buffer in run.model.buffers():  # DDP: every rank evaluates with rank 0's BatchNorm statistics
         dist.broadcast(buffer, src=0)
-    model.eval()
+    run.model.eval()
     sums = torch.zeros(3, device=run.dist_info.device)
     for x, y in run.test_data.eval_batches(run.dist_info.world_size, run.dist_info.rank):
-        with run.autocast():  # the views' logits are averaged in fp32, not bf16
-            logits = sum(w * model(view).float() for w, view in data.test_views(x, run.cfg.TTA, run.cfg.TTA_SHIFTS))
+        with run.autocast():
+            logits = run.model(x).float()
+            if run.cfg.TTA:
+                logits = (logits + run.model(x.flip(3)).float()) / 2  # averaged in fp32, not bf16
         sums[0] += F.cross_entropy(logits, y, reduction="sum")
         sums[1] += (logits.argmax(dim=1) == y).sum()
         sums[2] += len(y)
-    model.train()
+    run.model.train()
     dist.all_reduce(sums)  # DDP: the test sums over all ranks
     loss_sum, correct, images = sums.tolist()
     return loss_sum / images, correct / images

@@ -51,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="run (b) and (c) compiled")
     parser.add_argument("--amp", default="True", help="False: (b) and (c) in fp32 even where bf16 is fast")
     parser.add_argument("--skip_seed", action="store_true", help="only (b) and (c)")
+    parser.add_argument("--optimizer", default="", help="(b) and (c) with this OPTIMIZER, not the default one")
     return parser.parse_args()
 
 
@@ -136,6 +137,7 @@ def run_project(args: argparse.Namespace, world_size: int) -> tuple[float, float
                 f"--output_dir={out}",
                 f"--compile={args.compile}",
                 f"--amp={args.amp}",
+                *optimizer_setting(args),
             ],
         )
         if run_distribute(td.main_worker, world_size, cfg, time.time()) != 0:
@@ -143,6 +145,10 @@ def run_project(args: argparse.Namespace, world_size: int) -> tuple[float, float
         epoch = pd.read_csv(os.path.join(out, "pytorch_res.csv")).iloc[-1]
         precision = "bf16" if cfg.AMP and bf16_is_fast(choose_device(0, 1)[0]) else "fp32"
         return float(epoch["images_per_second"]), float(epoch["peak_memory_mb"]), precision
+
+
+def optimizer_setting(args: argparse.Namespace) -> list[str]:
+    return [f"--optimizer={args.optimizer}"] if args.optimizer else []
 
 
 # ----------------------------------------------------------------------------- (c) the compute ceiling
@@ -154,9 +160,7 @@ def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format
     torch.set_num_threads(cpu_cores())
     torch.backends.cudnn.benchmark = True  # as the project sets it
     model = ResNet(args.width).to(device, memory_format=memory_format)
-    optimizer = td.make_optimizer(
-        config.read_config(td.__file__, []), model, device
-    )  # the project's optimizer and kernels
+    optimizer = td.make_optimizer(config.read_config(td.__file__, optimizer_setting(args)), model, device)
     step_model = torch.compile(model) if args.compile else model
     x = torch.randn(args.batch_size, 3, 32, 32, device=device).contiguous(memory_format=memory_format)
     y = torch.randint(10, (args.batch_size,), device=device)
@@ -206,7 +210,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"{cpu_kind()}, {cpu_cores()} cores"
     print(
         f"machine: {name} | torch {torch.__version__} | {world_size} rank(s), {backend} | width {args.width}, "
-        f"global batch {args.batch_size}, {args.steps} timed steps",
+        f"global batch {args.batch_size}, {args.steps} timed steps | (b) and (c) with "
+        f"{args.optimizer or config.read_config(td.__file__, []).OPTIMIZER}",
         flush=True,
     )
     if not args.skip_seed:

@@ -110,7 +110,7 @@ def script_copy(tmp_path, old: str, new: str):
         ("EPOCHS: int = 30", "EPOCHS = 30", "EPOCHS at line"),
         ("LR: float = 0.4", 'LR: float = "fast"', "is not a number"),
         (
-            'OPTIMIZER: Literal["sgd", "adam", "muon"] = "sgd"',
+            'OPTIMIZER: Literal["sgd", "adam", "muon"] = "muon"',
             'OPTIMIZER: Literal["sgd", "adam", "muon"] = "lion"',
             "is unknown",
         ),

@@ -3,6 +3,8 @@
 import torch
 
 import muon
+from tests.conftest import call
+from tests.workers import muon_steps
 
 
 def test_orthogonalise_makes_every_singular_value_about_one():
@@ -31,3 +33,12 @@ def test_filters_step_orthogonalised_and_the_rest_as_nesterov_sgd():
     step = (conv - before).reshape(8, -1)
     values = torch.linalg.svdvals(step)
     assert values.max() / values.min() < 3  # every direction moved by about as much
+
+
+def test_ranks_split_the_orthogonalisation_and_end_with_the_same_weights_as_one_process(tmp_path):
+    assert call("tests.workers:start", "muon_worker", 2, str(tmp_path)).returncode == 0
+    alone = muon_steps()  # no process group: this process orthogonalises every filter bank itself
+    for rank in (0, 1):
+        shared = torch.load(tmp_path / f"rank{rank}.pt")
+        for a, b in zip(shared, alone, strict=True):
+            torch.testing.assert_close(a, b)

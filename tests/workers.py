@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import distribute_tools
+import muon
 import outputs
 import processes
 import train_distribute as td
@@ -152,3 +153,22 @@ def write_one_checkpoint(folder: str) -> int:
         print(error)
     writer.close()
     return 0
+
+
+def muon_steps(seed: int = 0) -> list[torch.Tensor]:
+    """Three Muon steps on filter banks of several shapes (wide, tall, 1x1) and a bias, from seeded gradients."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(8, 3, 3, 3), (16, 8, 3, 3), (32, 8, 1, 1), (24, 16, 3, 3), (16,)]
+    params = [nn.Parameter(torch.randn(shape, generator=g)) for shape in shapes]
+    optimizer = muon.MuonSGD(params, lr=0.1, momentum=0.9, weight_decay=5e-4, muon_scale=0.2)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        optimizer.step()
+    return [p.detach() for p in params]
+
+
+def muon_worker(rank: int, world_size: int, out_dir: str) -> None:
+    """Muon's steps in a process group, where each rank orthogonalises a share of the filter banks."""
+    with distribute_tools.process_group(rank, world_size, 60):
+        torch.save(muon_steps(), Path(out_dir, f"rank{rank}.pt"))
