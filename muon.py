@@ -17,10 +17,10 @@ NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
 STEPS = 5
 
 
-def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
-    """About U V^T of matrix = U S V^T, by five Newton-Schulz iterations (in fp32)."""
+def orthogonalise(matrix: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """About U V^T of matrix = U S V^T, by five Newton-Schulz iterations computed in `dtype`."""
     a, b, c = NEWTON_SCHULZ
-    x = matrix.float()
+    x = matrix.to(dtype)
     tall = x.size(0) > x.size(1)
     if tall:  # iterate on the smaller Gram matrix
         x = x.T
@@ -33,12 +33,14 @@ def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
 
 class MuonSGD(torch.optim.Optimizer):
     """Nesterov momentum for every parameter; for 4-D ones (convolution filters) the step is orthogonalised and
-    scaled to the shape, `muon_scale` times the group's learning rate. L2 weight decay as SGD adds it."""
+    scaled to the shape, `muon_scale` times the group's learning rate. L2 weight decay as SGD adds it. With
+    `bf16`, the orthogonalisation runs in bf16 (as Muon's authors run it): 3x faster where bf16 is native."""
 
-    def __init__(self, params, lr: float, momentum: float, weight_decay: float, muon_scale: float) -> None:
+    def __init__(self, params, lr: float, momentum: float, weight_decay: float, muon_scale: float, bf16: bool) -> None:
         super().__init__(
             params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "muon_scale": muon_scale}
         )
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -53,21 +55,27 @@ class MuonSGD(torch.optim.Optimizer):
                     filters.append((p, update, group["lr"] * group["muon_scale"]))
                 else:
                     p.add_(update, alpha=-group["lr"])
-        for (p, _, lr), update in zip(filters, orthogonalise_shared([u for _, u, _ in filters]), strict=True):
+        for (p, _, lr), update in zip(
+            filters, orthogonalise_shared([u for _, u, _ in filters], self.dtype), strict=True
+        ):
             shape = max(1.0, len(p) / p[0].numel()) ** 0.5  # as a square matrix's steps, for tall ones
             p.add_(update.view_as(p), alpha=-lr * shape)
 
 
-def orthogonalise_shared(updates: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each update orthogonalised as a matrix (rows x the rest). In a process group, rank r orthogonalises the
-    updates it owns (the largest first, dealt out in turn) and broadcasts them; every rank receives the others'.
-    The updates are the same on every rank (DDP averaged the gradients), so the results are too."""
+def orthogonalise_shared(updates: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each update orthogonalised as a matrix (rows x the rest). In a process group, each rank orthogonalises its
+    share (dealt out by cost, the dearest first, to the rank with the least so far) and broadcasts it; every rank
+    receives the others'. The updates are the same on every rank (DDP averaged the gradients), so the results are."""
     grouped = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
-    by_size = sorted(range(len(updates)), key=lambda i: -updates[i].numel())
-    owner = {i: turn % world_size for turn, i in enumerate(by_size)}
+    shapes = [sorted((len(u), u[0].numel())) for u in updates]
+    costs = [short * short * long for short, long in shapes]  # the products' multiply-adds
+    owner, load = {}, [0] * world_size
+    for i in sorted(range(len(updates)), key=lambda i: -costs[i]):
+        owner[i] = load.index(min(load))
+        load[owner[i]] += costs[i]
     results = [
-        orthogonalise(u.reshape(len(u), -1)) if owner[i] == rank else u.new_empty(len(u), u[0].numel())
+        orthogonalise(u.reshape(len(u), -1), dtype) if owner[i] == rank else u.new_empty(len(u), u[0].numel())
         for i, u in enumerate(updates)
     ]
     if world_size > 1:  # the same order on every rank: each broadcast meets its counterpart

@@ -12,7 +12,6 @@ its own run's newest checkpoint by itself. OUTPUT_DIR may be a local disk: each 
 folder holds, and global rank 0 (wherever it now is) receives the newest and writes from then on.
 """
 
-import math
 import os
 import shutil
 import socket
@@ -87,17 +86,6 @@ def start(
     finally:
         if lock is not None:
             lock.close()  # releases it
-
-
-def stop_if_diverged(loss_sum: float, epoch: int, cfg: SimpleNamespace) -> None:
-    """A non-finite loss (the all-reduced sums: every rank sees it alike) stops every rank, keeping the last good
-    checkpoint."""
-    if not math.isfinite(loss_sum):
-        kept = f"kept the checkpoint of epoch {epoch - 1}" if epoch > 1 else "no checkpoint was written"
-        raise UserError(
-            f"the training loss became {loss_sum} in epoch {epoch}; stopped every rank and {kept} in "
-            f"{cfg.OUTPUT_DIR}; lower --lr (now {cfg.LR}) and start a new run"
-        )
 
 
 def _restore(checkpoint: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, float]]:

@@ -160,7 +160,7 @@ def muon_steps(seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shapes = [(8, 3, 3, 3), (16, 8, 3, 3), (32, 8, 1, 1), (24, 16, 3, 3), (16,)]
     params = [nn.Parameter(torch.randn(shape, generator=g)) for shape in shapes]
-    optimizer = muon.MuonSGD(params, lr=0.1, momentum=0.9, weight_decay=5e-4, muon_scale=0.2)
+    optimizer = muon.MuonSGD(params, lr=0.1, momentum=0.9, weight_decay=5e-4, muon_scale=0.2, bf16=False)
     for _ in range(3):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
