@@ -205,21 +205,24 @@ def ctrl_c_while_starting_scenario(real: bool) -> tuple:
     else:
         process = launch(*args)
     deadline = time.monotonic() + 60
-    while (
-        len(
-            [
-                pid
-                for pid in children_of(process.pid)
-                if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
-            ]
-        )
-        < 2
-    ):
+    while len(starting_ranks(process.pid)) < 2:
         assert process.poll() is None and time.monotonic() < deadline
         time.sleep(0.005)
     os.killpg(process.pid, signal.SIGINT)
     _, err = process.communicate(timeout=60)
     return process.returncode, err, (folder / "checkpoint.pt").exists()
+
+
+def starting_ranks(pid: int) -> list[int]:
+    """The launcher's processes that are not multiprocessing's resource tracker: the ranks as they start."""
+    ranks = []
+    for child in children_of(pid):
+        try:
+            if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                ranks.append(child)
+        except OSError:  # gone between the listing and the read: a short-lived helper, not a rank
+            continue
+    return ranks
 
 
 @needs((ctrl_c_while_starting_scenario, True))
