@@ -48,26 +48,36 @@ class MuonSGD(torch.optim.Optimizer):
     def step(self, closure=None):
         filters = []  # (parameter, Nesterov update, step size): orthogonalised together below
         for group in self.param_groups:
-            for p in (p for p in group["params"] if p.grad is not None):
-                grad = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad
-                buffer = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                buffer.mul_(group["momentum"]).add_(grad)
-                update = grad.add(buffer, alpha=group["momentum"])  # Nesterov
-                if p.ndim == 4:
-                    filters.append((p, update, group["lr"] * group["muon_scale"]))
-                else:
-                    p.add_(update, alpha=-group["lr"])
+            params = [p for p in group["params"] if p.grad is not None]
+            updates = self.nesterov_updates(params, group)
+            rest = [(p, u) for p, u in zip(params, updates, strict=True) if p.ndim != 4]
+            if rest:
+                torch._foreach_add_([p for p, _ in rest], [u for _, u in rest], alpha=-group["lr"])
+            lr = group["lr"] * group["muon_scale"]
+            filters += [(p, u, lr) for p, u in zip(params, updates, strict=True) if p.ndim == 4]
         for (p, _, lr), update in zip(
             filters, orthogonalise_shared([u for _, u, _ in filters], self.dtype), strict=True
         ):
             shape = max(1.0, len(p) / p[0].numel()) ** 0.5  # as a square matrix's steps, for tall ones
             p.add_(update.view_as(p), alpha=-lr * shape)
 
+    def nesterov_updates(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+        """SGD's Nesterov updates, L2 weight decay included, in a few foreach kernels for all the parameters
+        (measured at width 8 on one CPU core: 1.1 ms a step, against 1.6 ms with five kernels per parameter)."""
+        grads = [p.grad for p in params]
+        if group["weight_decay"]:
+            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+        buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+        torch._foreach_mul_(buffers, group["momentum"])
+        torch._foreach_add_(buffers, grads)
+        return torch._foreach_add(grads, buffers, alpha=group["momentum"])
+
 
 def orthogonalise_shared(updates: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """Each update orthogonalised as a matrix (rows x the rest). In a process group, each rank orthogonalises its
-    share (dealt out by cost, the dearest first, to the rank with the least so far) and broadcasts it; every rank
-    receives the others'. The updates are the same on every rank (DDP averaged the gradients), and so are the
+    share (dealt out by cost, the dearest first, to the rank with the least so far) and broadcasts its results in
+    one flat tensor (one message per rank, not per bank: a gloo broadcast costs about 0.5 ms however small); every
+    rank receives the others'. The updates are the same on every rank (DDP averaged the gradients), and so are the
     weights after the step."""
     grouped = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
@@ -80,10 +90,16 @@ def orthogonalise_shared(updates: list[torch.Tensor], dtype: torch.dtype) -> lis
     results = [
         orthogonalise(u.reshape(len(u), -1), dtype if shapes[i][0] >= BF16_FROM else torch.float32)
         if owner[i] == rank
-        else u.new_empty(len(u), u[0].numel())
+        else None
         for i, u in enumerate(updates)
     ]
-    if world_size > 1:  # the same order on every rank: each broadcast meets its counterpart
-        for work in [dist.broadcast(r, src=owner[i], async_op=True) for i, r in enumerate(results)]:
-            work.wait()
+    for source in range(world_size if world_size > 1 else 0):  # the same order on every rank
+        banks = [i for i in range(len(updates)) if owner[i] == source]
+        if not banks:  # more ranks than filter banks
+            continue
+        sizes = [updates[i].numel() for i in banks]
+        flat = torch.cat([results[i].flatten() for i in banks]) if source == rank else updates[0].new_empty(sum(sizes))
+        dist.broadcast(flat, src=source)
+        for i, piece in zip(banks, flat.split(sizes), strict=True):
+            results[i] = piece.view(len(updates[i]), -1)
     return results

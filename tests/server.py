@@ -14,6 +14,7 @@ Protocol: one JSON request per line on stdin, one JSON answer per line on stdout
     {"poll": N}        answers {"code": exit code or null}
 """
 
+import gc
 import importlib
 import json
 import os
@@ -86,6 +87,7 @@ def run_child(request: dict) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)  # never a thread pool here: a forked child could not start its own
+    gc.freeze()  # the imports' objects: a child's full collection (every rank runs one as it leaves) skips them
     statuses: dict[int, int] = {}
     for line in sys.stdin:
         request = json.loads(line)
