@@ -663,6 +663,15 @@ def test_a_mistake_under_torchrun_is_one_line_and_not_restarted(mistake, nproc, 
     assert not written
 
 
+def test_a_worker_with_a_mistake_asks_torchrun_again_until_it_stops(tmp_path):
+    """A SIGTERM that lands while torchrun forks a worker is lost (Python ignores the exception it raises there):
+    without another, torchrun took the worker's exit for a failure and restarted the run."""
+    out = tmp_path / "facts.json"
+    assert call("tests.workers:torchrun_that_drops_a_sigterm", str(out)).returncode == 0
+    facts = json.loads(out.read_text())
+    assert facts == {"sigterms": 2, "worker_alive": True, "worker_end": -signal.SIGTERM}
+
+
 def two_nodes(tmp_path: Path, port: int, args_per_node: list, rdzv: str = "c10d", restarts: int = 0) -> list:
     """Two torchrun launchers as two "machines" of one worker each, meeting by c10d rendezvous (ranks in the order
     they arrive) or static rendezvous (node 0 holds rank 0). Each gets a core of its own, as a machine would."""

@@ -4,6 +4,7 @@ process finds its worker by importing the module that defines it."""
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -172,3 +173,23 @@ def muon_worker(rank: int, world_size: int, out_dir: str) -> None:
     """Muon's steps in a process group, where each rank orthogonalises a share of the filter banks."""
     with distribute_tools.process_group(rank, world_size, 60):
         torch.save(muon_steps(), Path(out_dir, f"rank{rank}.pt"))
+
+
+def torchrun_that_drops_a_sigterm(out: str) -> int:
+    """Stands in for torchrun with restarts left whose first SIGTERM is lost (as one landing while it forks a
+    worker is): a worker that refuses to start must ask again, and stay until this parent ends it."""
+    received = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: received.append(time.monotonic()))
+    worker = os.fork()
+    if worker == 0:
+        os.environ.update(TORCHELASTIC_RUN_ID="test", TORCHELASTIC_MAX_RESTARTS="2", LOCAL_RANK="0")
+        os._exit(processes.refuse_to_start(processes.UserError("a mistake")))
+    deadline = time.monotonic() + 30
+    while len(received) < 2 and time.monotonic() < deadline:  # the first is "lost": ignored here
+        time.sleep(0.01)
+    worker_alive = os.waitpid(worker, os.WNOHANG) == (0, 0)
+    os.kill(worker, signal.SIGTERM)  # what torchrun does with its workers when it stops
+    status = os.waitpid(worker, 0)[1]
+    facts = {"sigterms": len(received), "worker_alive": worker_alive, "worker_end": os.waitstatus_to_exitcode(status)}
+    Path(out).write_text(json.dumps(facts))
+    return 0
