@@ -14,7 +14,7 @@ What the default recipe does, and what it measured (docs/performance.md and docs
 figures from 2 ranks on a 2-core x86 CPU with AVX512-bf16 unless named; "points": holdout accuracy at width 16
 after 5 epochs, mean of 2 seeds):
   - the data set on the device as uint8; batches cut by indexing; crops, flips and normalisation batched there:
-    2.03x the seed's DataLoader pipeline with SGD, 1.91x with Muon, width 64 (python -m benchmarks.throughput)
+    2.03x the seed's DataLoader pipeline with SGD, 1.92x with Muon, width 64 (python -m benchmarks.throughput)
   - Muon on the convolution filters, Nesterov SGD on the rest (muon.py): +3.5 points (0.8170 -> 0.8522),
     about 1.2x the time per epoch; one-cycle LR (20% warm-up, 0.4 per 512 images), weight decay 5e-4
   - label smoothing 0.2: +1.7 points; flip test-time augmentation +1.1 and a ReLU after each residual sum (the
