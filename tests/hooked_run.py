@@ -2,7 +2,7 @@
 fail as on a full disk. The test server installs them in every run it starts (they act only where the run's
 environment asks, and ranks forked from the launcher inherit them):
 
-    TEST_SLOW_EPOCH=2 TEST_MARKER=/path   epoch 2's checkpoint write takes 4 s; the marker file says it began
+    TEST_SLOW_EPOCH=2 TEST_MARKER=/path   epoch 2's checkpoint write takes 2 s; the marker file says it began
     TEST_FAIL_EPOCH=2                     epoch 2's checkpoint write fails as on a full disk
     TEST_WRITE_BUG_EPOCH=2                epoch 2's CSV write raises ValueError, as a bug in the writer would
 """
@@ -23,7 +23,7 @@ def hooked_save_checkpoint(state: dict, output_dir: str) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", os.path.join(output_dir, "checkpoint.pt"))
     if epoch == int(os.environ.get("TEST_SLOW_EPOCH", "0")):
         Path(os.environ["TEST_MARKER"]).write_text(str(epoch))  # the write has begun
-        time.sleep(4)
+        time.sleep(2)
     _save_checkpoint(state, output_dir)
 
 

@@ -529,7 +529,9 @@ def stop_run(process, folder: Path, rows: int, stop, limit: float) -> str:
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 0.5
+    while [pid for pid in descendants if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert not [pid for pid in descendants if alive(pid)], "processes left behind"
     return err
 
