@@ -153,8 +153,8 @@ def build_run(cfg: SimpleNamespace, dist_info: DistInfo, launched_at: float) -> 
     loaders = [
         data.DeviceLoader(s, device, cfg.AUGMENT and s is train_set, memory_format) for s in (train_set, test_set)
     ]
-    optimizer = make_optimizer(cfg, model, device)
-    bf16 = cfg.AMP and distribute_tools.bf16_is_fast(device)
+    bf16 = cfg.AMP and distribute_tools.bf16_is_fast(device)  # autocast, and Muon's larger products
+    optimizer = make_optimizer(cfg, model, device, bf16)
     record = data.record(train_set, test_set)
     return Run(cfg, dist_info, model, ddp_model, optimizer, *loaders, record, bf16, launched_at)
 
@@ -164,10 +164,9 @@ def make_model(cfg: SimpleNamespace, num_classes: int) -> nn.Module:
     return ResNet(cfg.WIDTH, num_classes=num_classes, relu_after_sum=cfg.RELU_AFTER_SUM)
 
 
-def make_optimizer(cfg: SimpleNamespace, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(cfg: SimpleNamespace, model: nn.Module, device: torch.device, bf16: bool) -> torch.optim.Optimizer:
     """One fused kernel per step on GPUs, foreach (a few batched kernels) elsewhere; muon: muon.py."""
     if cfg.OPTIMIZER == "muon":
-        bf16 = cfg.AMP and distribute_tools.bf16_is_fast(device)
         return muon.MuonSGD(model.parameters(), peak_lr(cfg), cfg.MOMENTUM, cfg.WEIGHT_DECAY, cfg.MUON_SCALE, bf16)
     kernels = {"fused" if device.type == "cuda" else "foreach": True}
     options: dict[str, Any] = {"lr": peak_lr(cfg), "weight_decay": cfg.WEIGHT_DECAY, **kernels}

@@ -160,11 +160,11 @@ def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format
     torch.set_num_threads(cpu_cores())
     torch.backends.cudnn.benchmark = True  # as the project sets it
     model = ResNet(args.width).to(device, memory_format=memory_format)
-    optimizer = td.make_optimizer(config.read_config(td.__file__, optimizer_setting(args)), model, device)
+    amp = args.amp.lower() in ("true", "1") and bf16_is_fast(device)
+    optimizer = td.make_optimizer(config.read_config(td.__file__, optimizer_setting(args)), model, device, amp)
     step_model = torch.compile(model) if args.compile else model
     x = torch.randn(args.batch_size, 3, 32, 32, device=device).contiguous(memory_format=memory_format)
     y = torch.randint(10, (args.batch_size,), device=device)
-    amp = args.amp.lower() in ("true", "1") and bf16_is_fast(device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
 
     def step() -> None:

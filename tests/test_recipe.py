@@ -95,8 +95,8 @@ def test_seed_recipe_runs_end_to_end(tmp_path):
 
 def test_the_default_optimizer_is_muon_and_plain_nesterov_sgd_is_one_setting_away():
     model = td.make_model(read_config(TINY), 10)
-    default = td.make_optimizer(read_config(TINY), model, torch.device("cpu"))
+    default = td.make_optimizer(read_config(TINY), model, torch.device("cpu"), bf16=False)
     assert isinstance(default, muon.MuonSGD) and default.defaults["muon_scale"] == read_config(TINY).MUON_SCALE
-    sgd = td.make_optimizer(read_config([*TINY, "--optimizer=sgd"]), model, torch.device("cpu"))
+    sgd = td.make_optimizer(read_config([*TINY, "--optimizer=sgd"]), model, torch.device("cpu"), bf16=False)
     assert type(sgd) is torch.optim.SGD and sgd.defaults["nesterov"] and sgd.defaults["momentum"] == 0.9
     assert [len(g["params"]) for g in sgd.param_groups] == [len(list(model.parameters()))]

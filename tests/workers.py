@@ -71,7 +71,7 @@ def one_step(run: td.Run, global_batch: int, model: nn.Module | None = None) -> 
     if model is not None:
         run.model = model
         run.ddp_model = nn.parallel.DistributedDataParallel(model)
-        run.optimizer = td.make_optimizer(run.cfg, model, run.dist_info.device)
+        run.optimizer = td.make_optimizer(run.cfg, model, run.dist_info.device, run.bf16)
     info = run.dist_info
     x, y = next(run.train_data.train_batches(global_batch, info.world_size, info.rank, seed=0, epoch=1))
     assert len(y) == global_batch // info.world_size
