@@ -11,6 +11,7 @@ signals, exit codes, failures).
 """
 
 import datetime
+import functools
 import gc
 import inspect
 import os
@@ -173,11 +174,19 @@ def resolve_world_size(requested: int) -> int:
     return requested or gpus or 2
 
 
-def memory_format(model: torch.nn.Module, device: torch.device) -> torch.memory_format:
-    """channels_last: what tensor cores want, and faster on CPUs too; but torch 2.14's CPU kernels crash with it on
-    convolutions of fewer than 8 channels when a rank has one thread."""
-    narrow = min((m.out_channels for m in model.modules() if isinstance(m, torch.nn.Conv2d)), default=8) < 8
-    return torch.contiguous_format if device.type == "cpu" and narrow else torch.channels_last
+def route_around_cpu_crashes(model: torch.nn.Module, device: torch.device) -> None:
+    """On AVX-512 CPUs oneDNN's channels_last weight gradient of a strided 1x1 convolution with at most 8 input
+    channels corrupts the heap (docs/cpu-kinds.md). On CPUs such a convolution takes every stride-th pixel first
+    and then runs with stride 1: the same function through another kernel (faster, too, at those widths)."""
+    for conv in model.modules() if device.type == "cpu" else ():
+        if isinstance(conv, torch.nn.Conv2d) and conv.kernel_size == (1, 1) and conv.padding in ((0, 0), "valid"):
+            if conv.stride != (1, 1) and conv.in_channels <= 8:
+                conv.register_forward_pre_hook(functools.partial(_subsample, stride=conv.stride))
+                conv.stride = (1, 1)
+
+
+def _subsample(conv: torch.nn.Module, inputs: tuple[torch.Tensor], stride: tuple[int, int]) -> tuple[torch.Tensor]:
+    return (inputs[0][..., :: stride[0], :: stride[1]],)
 
 
 def bf16_is_fast(device: torch.device) -> bool:

@@ -1,5 +1,6 @@
 """Which checkpoint a run continues, and one run per OUTPUT_DIR. The training script calls:
 
+    resume.already_finished(cfg)                    in the launcher: a restart of a complete run has nothing to do
     resume.check_before_start(cfg)                  in the launcher: OUTPUT_DIR usable and free; with
                                                     --resume, a readable checkpoint of the same settings
     with resume.start(cfg, dist_info, data, model, optimizer) as history:   on every rank: a new run moves
@@ -39,6 +40,23 @@ def run_ids() -> dict[str, str]:
     carries them, so that a restart continues its own run's checkpoint and no other."""
     names = {"torchrun": "TORCHELASTIC_RUN_ID", "slurm": "SLURM_JOB_ID"}
     return {kind: os.environ[name] for kind, name in names.items() if os.environ.get(name)}
+
+
+def already_finished(cfg: SimpleNamespace) -> bool:
+    """A resume, or a restart by torchrun or SLURM (a requeue that came too late, say), of a run whose checkpoint
+    here holds all its epochs with these settings: says so once and touches nothing, not even the lock."""
+    if not (cfg.RESUME or processes.restart_count() > 0):
+        return False
+    saved = _read(cfg.OUTPUT_DIR, strict=False)
+    if saved is None or int(saved["epoch"]) < cfg.EPOCHS:
+        return False
+    try:
+        config.check_resume(saved["config"], cfg)
+    except UserError:
+        return False  # other settings: the start refuses them in its own words
+    if os.environ.get("RANK", "0") == "0":
+        print(f"already finished: all {cfg.EPOCHS} epochs are in {cfg.OUTPUT_DIR}; nothing to do", flush=True)
+    return True
 
 
 def check_before_start(cfg: SimpleNamespace) -> None:
@@ -101,7 +119,8 @@ def _newest_checkpoint(cfg: SimpleNamespace, dist_info: DistInfo) -> tuple[dict[
     sent to every rank, and the rank it came from. Every rank takes part: whether this is a restart is
     decided from what all ranks know."""
     here = dist_info.local_rank == 0 and os.path.isfile(os.path.join(cfg.OUTPUT_DIR, outputs.CHECKPOINT_NAME))
-    mine = all_ranks_try(lambda: _read(cfg.OUTPUT_DIR, strict=cfg.RESUME) if here else None)
+    strict = cfg.RESUME or dist_info.restarted  # a restart never starts over in silence on a checkpoint it cannot read
+    mine = all_ranks_try(lambda: _read(cfg.OUTPUT_DIR, strict=strict) if here else None)
     epoch, saved_by = (int(mine["epoch"]), mine.get("run_ids", {})) if mine else (-1, {})
     everyone: list[Any] = [None] * dist_info.world_size
     dist.all_gather_object(everyone, (epoch, saved_by, dist_info.restarted))
@@ -134,7 +153,10 @@ def _read(output_dir: str, strict: bool = True) -> dict[str, Any] | None:
         return outputs.load_checkpoint(output_dir, lazily=True)
     except Exception as e:
         if strict:
-            raise UserError(f"cannot read {path} ({type(e).__name__}); start a new run without --resume") from None
+            raise UserError(
+                f"cannot read {path} ({type(e).__name__}: {processes.first_line(e, 80)}); it stays as it is: put back "
+                f"a good copy to continue, or move it away to start the run over"
+            ) from None
         return None
 
 

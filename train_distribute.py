@@ -20,7 +20,7 @@ after 5 epochs, mean of 2 seeds):
   - label smoothing 0.2: +1.7 points; flip test-time augmentation +1.1 and a ReLU after each residual sum (the
     seed has none) +3.3 points (one seed, an earlier version)
   - bf16 autocast where bf16 is native (1.97x fp32 on that CPU); fp32 where it is emulated (AVX2 CPUs)
-  - channels_last: 1.17x the contiguous layout on a 2-core AVX2 CPU at width 16 (contiguous below width 8 on CPUs)
+  - channels_last: 1.17x the contiguous layout on a 2-core AVX2 CPU at width 16
   - files written on a background thread: the time between two epochs' clocks 1.09x -> 1.00x the epoch itself
     (width 8, 2 AVX2 CPU ranks: python -m benchmarks.writer_stall)
 """
@@ -94,8 +94,6 @@ RESUME: bool = False  # continue the run in OUTPUT_DIR from its checkpoint.pt (r
 COLLECTIVE_TIMEOUT: int = 600  # seconds a rank waits for the others in a collective before the run fails
 PROGRESS_EVERY: int = 20  # steps between progress-bar refreshes on a terminal (one host sync each)
 
-LR_REFERENCE_BATCH = 512  # sgd's LR is stated per this many images
-
 
 # ----------------------------------------------------------------------------- one rank's run
 
@@ -136,10 +134,10 @@ def build_run(cfg: SimpleNamespace, dist_info: DistInfo, launched_at: float) -> 
     torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: pick the fastest convolution once
     torch.manual_seed(cfg.SEED)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = make_model(cfg, len(train_set.classes))
-    memory_format = distribute_tools.memory_format(model, device)  # channels_last where it is safe
+    distribute_tools.route_around_cpu_crashes(model, device)  # a oneDNN bug on AVX-512 CPUs: docs/cpu-kinds.md
     if cfg.SYNC_BN:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # GPUs only: refused on CPUs before the start
-    model = model.to(device, memory_format=memory_format)
+    model = model.to(device, memory_format=torch.channels_last)  # what tensor cores want; faster on CPUs too
     ddp_model: nn.Module = DistributedDataParallel(  # DDP: wrap the model; gradients are all-reduced in buckets
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -151,7 +149,7 @@ def build_run(cfg: SimpleNamespace, dist_info: DistInfo, launched_at: float) -> 
     if cfg.COMPILE:
         ddp_model = torch.compile(ddp_model)  # after wrapping, so DDP's bucketed all-reduce keeps overlapping
     loaders = [
-        data.DeviceLoader(s, device, cfg.AUGMENT and s is train_set, memory_format) for s in (train_set, test_set)
+        data.DeviceLoader(s, device, cfg.AUGMENT and s is train_set, torch.channels_last) for s in (train_set, test_set)
     ]
     bf16 = cfg.AMP and distribute_tools.bf16_is_fast(device)  # autocast, and Muon's larger products
     optimizer = make_optimizer(cfg, model, device, bf16)
@@ -230,8 +228,9 @@ def checkpoint(run: Run, history: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def peak_lr(cfg: SimpleNamespace) -> float:
-    """SGD's (and Muon's) learning rate grows linearly with the global batch; Adam's is used as given."""
-    return cfg.LR * cfg.BATCH_SIZE / LR_REFERENCE_BATCH if cfg.OPTIMIZER != "adam" else cfg.LR
+    """SGD's (and Muon's) learning rate grows linearly with the global batch (LR is per 512 images); Adam's is used
+    as given."""
+    return cfg.LR * cfg.BATCH_SIZE / 512 if cfg.OPTIMIZER != "adam" else cfg.LR
 
 
 def lr_at(step: int, total_steps: int, peak: float, schedule: str, warmup: float) -> float:
@@ -327,6 +326,8 @@ def main(argv: list[str]) -> int:
     launched_at = processes.process_start_time()
     try:
         cfg = config.read_config(__file__, argv)
+        if resume.already_finished(cfg):  # started again after its last epoch (a late requeue, say): exit 0
+            return 0
         world_size = check_before_start(cfg)
         return distribute_tools.run_distribute(main_worker, world_size, cfg, launched_at)  # DDP: a process per rank
     except UserError as error:

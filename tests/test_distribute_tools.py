@@ -1,5 +1,6 @@
 """The process model with real processes: device and backend, ports, threads, and failures."""
 
+import copy
 import json
 import os
 import socket
@@ -33,6 +34,25 @@ def test_cpu_gets_gloo_and_two_processes():
     assert dt.resolve_world_size(3) == 3
     with pytest.raises(processes.UserError, match="negative"):
         dt.resolve_world_size(-1)
+
+
+def test_a_strided_pointwise_convolution_of_few_channels_is_routed_around_the_crashing_kernel():
+    """On CPUs the strided 1x1 convolutions with at most 8 input channels subsample first, then run with stride 1:
+    the same outputs and gradients. Wider ones, and every one on other devices, are left as they are."""
+    torch.manual_seed(0)
+    narrow, wide = torch.nn.Conv2d(8, 16, 1, stride=2), torch.nn.Conv2d(16, 32, 1, stride=2)
+    routed = copy.deepcopy(narrow)
+    dt.route_around_cpu_crashes(torch.nn.Sequential(routed, wide), torch.device("cpu"))
+    assert routed.stride == (1, 1) and wide.stride == (2, 2) and not wide._forward_pre_hooks
+    x = torch.randn(2, 8, 9, 9)
+    expected, got = narrow(x), routed(x)
+    assert got.shape == expected.shape == (2, 16, 5, 5) and torch.allclose(got, expected, atol=1e-6)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    assert torch.allclose(routed.weight.grad, narrow.weight.grad, atol=1e-5)
+    on_gpu = copy.deepcopy(narrow)
+    dt.route_around_cpu_crashes(on_gpu, torch.device("cuda", 0))
+    assert on_gpu.stride == (2, 2)
 
 
 def test_torchrun_decides_the_world_size(monkeypatch, capsys):

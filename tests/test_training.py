@@ -293,19 +293,26 @@ def test_accumulation_steps_like_the_whole_share(steps):
 
 
 @pytest.mark.parametrize(
-    "world_size,settings",
+    "world_size,widths,settings",
     [
-        (2, ["--batch_size=32", "--synthetic_size=160"]),
-        (4, ["--batch_size=64", "--synthetic_size=320"]),
-        (1, ["--batch_size=1", "--synthetic_size=24", "--amp=True"]),
+        (2, range(1, 9), ["--batch_size=32", "--synthetic_size=160"]),
+        (4, range(1, 9), ["--batch_size=64", "--synthetic_size=320"]),
+        (1, [8], ["--batch_size=1", "--synthetic_size=8", "--amp=True"]),
+        *[(2, [8], ["--batch_size=2", "--synthetic_size=8", f"--amp={amp}"]) for amp in (False, True)],
+        *[
+            (2, [8], ["--batch_size=4", "--synthetic_size=32", f"--image_size={size}", f"--amp={amp}"])
+            for size in (64, 96)
+            for amp in (False, True)
+        ],
     ],
 )
-def test_no_width_or_batch_crashes_a_rank(tmp_path, world_size, settings):
-    """Widths 1-7 once crashed CPU ranks (channels_last with one thread per rank in torch's CPU kernels); batches of
-    one image in bf16 at width 8 were reported to corrupt the heap."""
+def test_no_width_or_batch_crashes_a_rank(tmp_path, world_size, widths, settings):
+    """oneDNN's weight gradient of a strided 1x1 convolution with at most 8 input channels in channels_last corrupts
+    the heap on AVX-512 CPUs without AMX (docs/cpu-kinds.md): widths 1-8 in every case below crashed a rank there,
+    as did one image per rank in bf16 and width 8 at 64 and 96 pixels."""
     out = str(tmp_path / "widths.json")
-    assert call("tests.workers:start", "widths_worker", world_size, list(range(1, 9)), settings, out).returncode == 0
-    assert json.loads(Path(out).read_text()) == list(range(1, 9))
+    assert call("tests.workers:start", "widths_worker", world_size, list(widths), settings, out).returncode == 0
+    assert json.loads(Path(out).read_text()) == list(widths)
 
 
 # ----------------------------------------------------------------------------- runs that reuse an output folder
@@ -422,6 +429,54 @@ def test_a_bug_in_the_writer_is_one_line_on_every_rank_too(tmp_path):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: could not write the files in") and "ValueError" in lines[0]
     assert torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"] == 2 and csv_rows(folder) == 1
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file and folder below `folder`, with its bytes and modification time."""
+    return {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("how", ["resume", "slurm_requeue", "torchrun_under_slurm"])
+def test_a_finished_run_started_again_changes_nothing_and_exits_0(reference_run, tmp_path, how):
+    """A requeue that lands after the last epoch, or a --resume of a finished run: one line, exit 0 within 30 s,
+    and nothing in OUTPUT_DIR is created or changed, .lock included. torchrun --standalone gives every start a new
+    run id; a requeued job's restart count says it is the same job."""
+    out, _, _ = reference_run
+    folder = tmp_path / "out"
+    shutil.copytree(out, folder)
+    before, started = snapshot(folder), time.monotonic()
+    args = [*TINY, "--epochs=5", f"--output_dir={folder}"]
+    env = clean_env(SLURM_RESTART_COUNT="1", SLURM_JOB_ID="77")
+    if how == "resume":
+        result = run_script(*args, "--resume=True")
+    elif how == "slurm_requeue":
+        result = run_script(*args, env=env)
+    else:
+        torchrun = ["--run-path", "--start-method=fork", "--standalone", "--nproc_per_node=2", str(SCRIPT), *args]
+        run = launch(*torchrun, module="torch.distributed.run", env=env)
+        result = subprocess.CompletedProcess(args, run.wait(timeout=HANG_TIMEOUT), *run.communicate())
+    line = f"already finished: all 5 epochs are in {folder}; nothing to do"
+    assert result.returncode == 0 and result.stdout.strip().splitlines() == [line], result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and time.monotonic() - started < 30
+    assert snapshot(folder) == before
+
+
+def test_a_restart_that_cannot_read_its_checkpoint_says_so_and_never_starts_over(reference_run, tmp_path):
+    """A requeued job whose checkpoint.pt was cut short once moved it aside and trained from epoch 1 in silence."""
+    out, _, _ = reference_run
+    folder = tmp_path / "out"
+    shutil.copytree(out, folder)
+    checkpoint = folder / "checkpoint.pt"
+    checkpoint.write_bytes(checkpoint.read_bytes()[:5000])
+    before = snapshot(folder)
+    result = run_script(*TINY, "--epochs=5", f"--output_dir={folder}", env=clean_env(SLURM_RESTART_COUNT="1"))
+    assert result.returncode == processes.EXIT_USER_ERROR and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot read {checkpoint} ("), lines
+    assert "move it away to start the run over" in lines[0] and "epoch 1/" not in result.stdout
+    assert {p: v for p, v in snapshot(folder).items() if p.name != ".lock"} == {
+        p: v for p, v in before.items() if p.name != ".lock"
+    }
 
 
 @pytest.mark.parametrize("change", ["--batch_size=64", "--epochs=7", "--width=16", "--lr=0.1"])
