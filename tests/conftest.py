@@ -14,8 +14,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -109,6 +110,7 @@ class Launched:
         deadline = time.monotonic() + (timeout if timeout is not None else 10**9)
         while self.poll() is None:
             if time.monotonic() > deadline:
+                self.kill_session()  # a hanging run must not outlive its test: its launcher waits for it forever
                 raise subprocess.TimeoutExpired(f"run {self.pid}", timeout)
             time.sleep(0.02)
         return self.returncode
@@ -120,6 +122,10 @@ class Launched:
 
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
+
+    def kill_session(self) -> None:
+        """SIGKILL to the run and every process it started (its ranks, torchrun's workers: one process group)."""
+        _kill_session(self.pid)
 
 
 def launch(
@@ -185,6 +191,28 @@ def call(function: str, *args, env: dict | None = None, timeout: float = HANG_TI
     run = launch(*args, call=function, env=env)
     out, err = run.communicate(timeout=timeout)
     return subprocess.CompletedProcess([function, *args], run.returncode, out, err)
+
+
+@contextmanager
+def new_interpreter(command: list[str], timeout: float = HANG_TIMEOUT, **options: Any) -> Iterator[subprocess.Popen]:
+    """A real interpreter in a session of its own. Whatever of it still runs after `timeout` seconds, or when the
+    block ends (a failed test), is killed: launcher, ranks and torchrun's workers alike."""
+    process = subprocess.Popen(command, cwd=ROOT, text=True, start_new_session=True, **options)
+    deadline = threading.Timer(timeout, _kill_session, [process.pid])
+    deadline.start()
+    try:
+        yield process
+    finally:
+        deadline.cancel()
+        _kill_session(process.pid)
+        process.wait()
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # every process of it has ended
+        pass
 
 
 # ----------------------------------------------------------------------------- runs in new interpreters, early

@@ -19,9 +19,11 @@ OUT_DIR = os.environ.get("EXIT_CODES_DIR", "")
 
 
 def recording_worker(rank: int, world_size: int, *args) -> None:
-    """The project's whole rank; afterwards, which threads the process still has."""
+    """The project's whole rank; afterwards, which threads the process still has besides its main thread (which
+    torch 2.4 names pt_main_thread as it is imported)."""
     train_distribute.main_worker(rank, world_size, *args)
-    names = sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+    others = [t for t in os.listdir("/proc/self/task") if t != str(os.getpid())]
+    names = sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in others)
     Path(OUT_DIR, f"threads{rank}.json").write_text(json.dumps(names))
 
 

@@ -23,7 +23,6 @@ import resume
 from processes import UserError
 from tests.conftest import (
     HANG_TIMEOUT,
-    ROOT,
     SCRIPT,
     TINY,
     alive,
@@ -33,6 +32,7 @@ from tests.conftest import (
     csv_rows,
     launch,
     needs,
+    new_interpreter,
     rank_processes,
     read_config,
     run_script,
@@ -146,22 +146,16 @@ def finished_run_scenario() -> tuple:
     """A run as a user starts it, its ranks spawned, with Ctrl-C to the whole run as soon as it prints its summary;
     each rank's own exit code and the threads each rank had left are recorded (tests/exit_codes.py)."""
     out = Path(tempfile.mkdtemp(prefix="finished-run-"))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.exit_codes", *TINY, "--epochs=1", f"--output_dir={out / 'out'}"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=clean_env(EXIT_CODES_DIR=str(out)),
-        start_new_session=True,
-    )
-    lines = []
-    for line in process.stdout:  # as soon as the summary is printed, Ctrl-C reaches every process of the run
-        lines.append(line)
-        if line.startswith("done:"):
-            os.killpg(process.pid, signal.SIGINT)
-    err = process.stderr.read()
-    code = process.wait(timeout=HANG_TIMEOUT)
+    command = [sys.executable, "-m", "tests.exit_codes", *TINY, "--epochs=1", f"--output_dir={out / 'out'}"]
+    options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "env": clean_env(EXIT_CODES_DIR=str(out))}
+    with new_interpreter(command, **options) as process:
+        lines = []
+        for line in process.stdout:  # as soon as the summary is printed, Ctrl-C reaches every process of the run
+            lines.append(line)
+            if line.startswith("done:"):
+                os.killpg(process.pid, signal.SIGINT)
+        err = process.stderr.read()
+        code = process.wait(timeout=HANG_TIMEOUT)
     codes = json.loads((out / "codes.json").read_text()) if (out / "codes.json").exists() else None
     threads = [
         json.loads((out / f"threads{r}.json").read_text()) for r in (0, 1) if (out / f"threads{r}.json").exists()
@@ -194,22 +188,14 @@ def ctrl_c_while_starting_scenario(real: bool) -> tuple:
     the test server (they are joining the group)."""
     folder = Path(tempfile.mkdtemp(prefix="ctrl-c-start-")) / "out"
     args = [*TINY, "--epochs=3", f"--output_dir={folder}"]
-    if real:
-        process = subprocess.Popen(
-            [sys.executable, str(SCRIPT), *args],
-            stderr=subprocess.PIPE,
-            text=True,
-            env=clean_env(),
-            start_new_session=True,
-        )
-    else:
-        process = launch(*args)
-    deadline = time.monotonic() + 60
-    while len(starting_ranks(process.pid)) < 2:
-        assert process.poll() is None and time.monotonic() < deadline
-        time.sleep(0.005)
-    os.killpg(process.pid, signal.SIGINT)
-    _, err = process.communicate(timeout=60)
+    real_run = new_interpreter([sys.executable, str(SCRIPT), *args], stderr=subprocess.PIPE, env=clean_env())
+    with real_run if real else contextlib.nullcontext(launch(*args)) as process:
+        deadline = time.monotonic() + 60
+        while len(starting_ranks(process.pid)) < 2:
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        os.killpg(process.pid, signal.SIGINT)
+        _, err = process.communicate(timeout=60)
     return process.returncode, err, (folder / "checkpoint.pt").exists()
 
 
@@ -656,13 +642,9 @@ def test_a_stop_signal_ends_every_rank_resumably(tmp_path, who):
 def torchrun_standalone_scenario() -> tuple:
     out = Path(tempfile.mkdtemp(prefix="torchrun-")) / "out"
     command = ["--standalone", "--nproc_per_node=2", str(SCRIPT), *TINY[:-1], "--epochs=1", "--world_size=3"]
-    result = subprocess.run(
-        torchrun_command(*command, f"--output_dir={out}"),
-        capture_output=True,
-        text=True,
-        timeout=HANG_TIMEOUT,
-        env=clean_env(),
-    )
+    options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "env": clean_env()}
+    with new_interpreter(torchrun_command(*command, f"--output_dir={out}"), **options) as process:
+        result = subprocess.CompletedProcess(command, process.wait(timeout=HANG_TIMEOUT), *process.communicate())
     return result, csv_rows(out)
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -60,11 +61,6 @@ def hanging_worker(rank: int, world_size: int, timeout_s: float) -> None:
         distribute_tools.all_ranks_meet()  # rank 0 waits in a collective: it must give up after timeout_s
 
 
-def tiny_run(rank: int, world_size: int, argv: list) -> td.Run:
-    info = setup(rank, world_size, timeout_s=120)
-    return td.build_run(read_config(argv), info, launched_at=time.time())
-
-
 def one_step(run: td.Run, global_batch: int, model: nn.Module | None = None) -> None:
     """One optimizer step of the project's train_step on this rank's share of the first global batch; with
     `model`, that network (wrapped in DDP like the project's) replaces the ResNet."""
@@ -81,47 +77,61 @@ def one_step(run: td.Run, global_batch: int, model: nn.Module | None = None) -> 
 def steps_worker(rank: int, world_size: int, variants: dict, global_batch: int, out: str) -> None:
     """One step of the project's code per variant {name: (extra settings, without_batchnorm)}, each from the same
     start; rank 0 saves the gradients, weights and BatchNorm statistics of each."""
-    info = setup(rank, world_size, timeout_s=120)
-    results = {}
-    for name, (extra, without_batchnorm) in variants.items():
-        run = td.build_run(read_config([*STEP_ARGS, *extra]), info, launched_at=time.time())
-        plain = None
-        if without_batchnorm:
-            torch.manual_seed(0)
-            plain = nn.Sequential(
-                nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)
-            )
-        one_step(run, global_batch, plain)
-        grads = {f"grad.{key}": p.grad.detach().clone() for key, p in run.model.named_parameters()}
-        results[name] = {**grads, **{key: v.detach().clone() for key, v in run.model.state_dict().items()}}
-    if info.is_main:
-        torch.save(results, out)
-    cleanup(every_rank_leaves=True)
+    with distribute_tools.process_group(rank, world_size, 120) as info:
+        results = {name: one_variant(info, *variant, global_batch) for name, variant in variants.items()}
+        if info.is_main:
+            torch.save(results, out)
+
+
+def one_variant(info: distribute_tools.DistInfo, extra: list, without_batchnorm: bool, global_batch: int) -> dict:
+    """One step of a variant: its gradients, weights and BatchNorm statistics. Its run (and DDP's reducer, which
+    holds the group) ends with this call, before the group is left: a reducer freed after it would join the
+    group's threads while they wait for the interpreter lock."""
+    run = td.build_run(read_config([*STEP_ARGS, *extra]), info, launched_at=time.time())
+    plain = None
+    if without_batchnorm:
+        torch.manual_seed(0)
+        plain = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)
+        )
+    one_step(run, global_batch, plain)
+    grads = {f"grad.{key}": p.grad.detach().clone() for key, p in run.model.named_parameters()}
+    return {**grads, **{key: v.detach().clone() for key, v in run.model.state_dict().items()}}
 
 
 def widths_worker(rank: int, world_size: int, widths: list, settings: list, out: str) -> None:
     """An epoch and an evaluation of the project's code at each width: no width may crash a rank."""
-    info = setup(rank, world_size, timeout_s=120)
-    finished = []
-    for width in widths:
-        run = td.build_run(read_config([*TINY_ARGS, f"--width={width}", *settings]), info, launched_at=time.time())
-        (loss_sum, _, images), _, _ = td.train_epoch(run, epoch=1)
-        _, acc = td.evaluate(run)
-        assert loss_sum / images > 0 and 0 <= acc <= 1
-        finished.append(width)
-    if info.is_main:
-        Path(out).write_text(json.dumps(finished))
-    cleanup(every_rank_leaves=True)
+    with distribute_tools.process_group(rank, world_size, 120) as info:
+        finished = []
+        for width in widths:
+            train_and_evaluate(read_config([*TINY_ARGS, f"--width={width}", *settings]), info)
+            finished.append(width)
+        if info.is_main:
+            Path(out).write_text(json.dumps(finished))
+
+
+def train_and_evaluate(cfg: SimpleNamespace, info: distribute_tools.DistInfo) -> None:
+    """An epoch and an evaluation; the run ends with this call, before the group is left (see one_variant)."""
+    run = td.build_run(cfg, info, launched_at=time.time())
+    (loss_sum, _, images), _, _ = td.train_epoch(run, epoch=1)
+    _, acc = td.evaluate(run)
+    assert loss_sum / images > 0 and 0 <= acc <= 1
 
 
 def evaluate_worker(rank: int, world_size: int, argv: list, out_path: str) -> None:
     """Evaluates the checkpoint in OUTPUT_DIR with the project's evaluate()."""
-    run = tiny_run(rank, world_size, argv)
-    run.model.load_state_dict(outputs.load_checkpoint(run.cfg.OUTPUT_DIR)["model"])
+    with distribute_tools.process_group(rank, world_size, 120) as info:
+        result = evaluate_checkpoint(read_config(argv), info)
+        if info.is_main:
+            Path(out_path).write_text(json.dumps(result))
+
+
+def evaluate_checkpoint(cfg: SimpleNamespace, info: distribute_tools.DistInfo) -> dict:
+    """The run ends with this call, before the group is left (see one_variant)."""
+    run = td.build_run(cfg, info, launched_at=time.time())
+    run.model.load_state_dict(outputs.load_checkpoint(cfg.OUTPUT_DIR)["model"])
     loss, acc = td.evaluate(run)
-    if run.dist_info.is_main:
-        Path(out_path).write_text(json.dumps({"loss": loss, "acc": acc, "images": len(run.test_data)}))
-    cleanup(every_rank_leaves=True)
+    return {"loss": loss, "acc": acc, "images": len(run.test_data)}
 
 
 # ----------------------------------------------------------------------------- small calls (tests.conftest.call)
