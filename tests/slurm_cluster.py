@@ -139,8 +139,9 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while not until(job := self.job(job_id)):
             assert time.monotonic() < deadline, f"job {job_id} still {job['JobState']} after {timeout:.0f} s: {job}"
-            if job["JobState"] == "PENDING" and job["Reason"] == "BeginTime":  # earlier, the requeue is unfinished
-                self.command("scontrol", "update", f"jobid={job_id}", "StartTime=now")  # and the job ends FAILED
+            # only once the nodes are free: started while its last run still ends, the job takes that exit code
+            if job["JobState"] == "PENDING" and self.node_states() == ["IDLE", "IDLE"]:
+                self.command("scontrol", "update", f"jobid={job_id}", "StartTime=now")
             time.sleep(0.5)
         return job
 
