@@ -3,6 +3,7 @@ run aside, leftovers of a killed run, one run per folder."""
 
 import errno
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -196,9 +197,14 @@ def test_an_interrupted_wait_leaves_the_write_to_close(tmp_path, monkeypatch):
     monkeypatch.setattr(outputs, "save_checkpoint", lambda state, folder: (time.sleep(1.0), save(state, folder)))
     writer = outputs.ResultWriter(str(tmp_path))
     writer.submit(checkpoint(1), [row(1, 0.1, 1.0)])
+    # Python's own Ctrl-C handler: a launcher that ran in this process may have left its own in place
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Timer(0.2, _thread.interrupt_main).start()
-    with pytest.raises(KeyboardInterrupt):
-        writer.wait()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            writer.wait()
+    finally:
+        signal.signal(signal.SIGINT, saved)
     assert writer.pending is not None
     writer.close()
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["epoch"] == 1
