@@ -494,6 +494,9 @@ def test_a_resume_on_other_images_of_the_same_count_and_classes_is_refused(tmp_p
     common = ["--dataset=imagefolder", "--width=4", "--batch_size=4", "--epochs=2", f"--output_dir={tmp_path / 'out'}"]
     first = run_script(*common, f"--data_dir={tmp_path / 'a'}", "--epochs=2")
     assert first.returncode == 0, first.stderr
+    saved = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)  # as if stopped after epoch 1 of 2
+    saved.update(epoch=1, history=saved["history"][:1])
+    torch.save(saved, tmp_path / "out" / "checkpoint.pt")
     kept = (tmp_path / "out" / "checkpoint.pt").read_bytes()
     second = run_script(*common, f"--data_dir={tmp_path / 'b'}", "--resume=True")
     assert second.returncode == processes.EXIT_USER_ERROR and "Traceback" not in second.stderr
