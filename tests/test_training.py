@@ -810,6 +810,9 @@ def torchrun_stop_scenario(who: str) -> tuple:
     process = start_torchrun_job(folder, epochs=9)
     try:
         wait_for_rows(folder, 1, process)
+        while "epoch 1/9" not in Path(process.stdout_path).read_text():  # printed just after the files are handed on
+            assert process.poll() is None
+            time.sleep(0.02)
         workers = worker_processes(process.pid)
         if who == "ctrl_c":
             os.killpg(process.pid, signal.SIGINT)
