@@ -1,6 +1,6 @@
 """Which checkpoint a run continues, and one run per OUTPUT_DIR. The training script calls:
 
-    resume.already_finished(cfg)                    in the launcher: a restart of a complete run has nothing to do
+    resume.all_ranks_finished(cfg, dist_info)       on every rank, first: a restart of a complete run does nothing
     resume.check_before_start(cfg)                  in the launcher: OUTPUT_DIR usable and free; with
                                                     --resume, a readable checkpoint of the same settings
     with resume.start(cfg, dist_info, data, model, optimizer) as history:   on every rank: a new run moves
@@ -42,9 +42,19 @@ def run_ids() -> dict[str, str]:
     return {kind: os.environ[name] for kind, name in names.items() if os.environ.get(name)}
 
 
-def already_finished(cfg: SimpleNamespace) -> bool:
+def all_ranks_finished(cfg: SimpleNamespace, dist_info: DistInfo) -> bool:
+    """Every rank: whether this start has nothing to do (see finished_here). One machine's OUTPUT_DIR is enough,
+    since it may be each machine's own disk; rank 0 says so once."""
+    everyone: list[Any] = [None] * dist_info.world_size
+    dist.all_gather_object(everyone, dist_info.local_rank == 0 and finished_here(cfg))
+    if any(everyone) and dist_info.is_main:
+        print(f"already finished: all {cfg.EPOCHS} epochs are in {cfg.OUTPUT_DIR}; nothing to do", flush=True)
+    return any(everyone)
+
+
+def finished_here(cfg: SimpleNamespace) -> bool:
     """A resume, or a restart by torchrun or SLURM (a requeue that came too late, say), of a run whose checkpoint
-    here holds all its epochs with these settings: says so once and touches nothing, not even the lock."""
+    here holds all its epochs with these settings. Such a start touches nothing, not even the lock."""
     if not (cfg.RESUME or processes.restart_count() > 0):
         return False
     saved = _read(cfg.OUTPUT_DIR, strict=False)
@@ -54,8 +64,6 @@ def already_finished(cfg: SimpleNamespace) -> bool:
         config.check_resume(saved["config"], cfg)
     except UserError:
         return False  # other settings: the start refuses them in its own words
-    if os.environ.get("RANK", "0") == "0":
-        print(f"already finished: all {cfg.EPOCHS} epochs are in {cfg.OUTPUT_DIR}; nothing to do", flush=True)
     return True
 
 

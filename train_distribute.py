@@ -124,7 +124,8 @@ class Run:
 def main_worker(rank: int, world_size: int, cfg: SimpleNamespace, launched_at: float) -> None:
     """Everything one rank does, from joining the group to leaving it."""
     with distribute_tools.process_group(rank, world_size, cfg.COLLECTIVE_TIMEOUT) as dist_info:  # DDP: join; device
-        train(build_run(cfg, dist_info, launched_at))  # nothing left holds the model: the group can be destroyed
+        if not resume.all_ranks_finished(cfg, dist_info):  # DDP: every rank asks; a late requeue has nothing to do
+            train(build_run(cfg, dist_info, launched_at))  # nothing left holds the model: the group can be destroyed
 
 
 def build_run(cfg: SimpleNamespace, dist_info: DistInfo, launched_at: float) -> Run:
@@ -326,8 +327,6 @@ def main(argv: list[str]) -> int:
     launched_at = processes.process_start_time()
     try:
         cfg = config.read_config(__file__, argv)
-        if resume.already_finished(cfg):  # started again after its last epoch (a late requeue, say): exit 0
-            return 0
         world_size = check_before_start(cfg)
         return distribute_tools.run_distribute(main_worker, world_size, cfg, launched_at)  # DDP: a process per rank
     except UserError as error:
@@ -340,7 +339,7 @@ def check_before_start(cfg: SimpleNamespace) -> int:
     world_size = distribute_tools.resolve_world_size(cfg.WORLD_SIZE)
     config.check_against_machine(cfg, world_size, distribute_tools.gpu_count())
     data.check_sizes(cfg, lambda classes: make_model(cfg, classes), int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    if not distribute_tools.under_torchrun():
+    if not (distribute_tools.under_torchrun() or resume.finished_here(cfg)):  # finished: the ranks say so
         resume.check_before_start(cfg)
         data.prepare(cfg)  # download, or decode and check an image folder, once for every rank
     return world_size

@@ -21,8 +21,13 @@ EPOCHS = 30
 # after the start, 60 to 90 s before the limit. 30 epochs (90 s of training on a 2-core x86 CPU with AVX512-bf16, one
 # CPU per node) need at least one requeue even where a core is 1.5x as fast.
 TIME_LIMIT, SIGNAL_OFFSET = "2", 60
-BROKEN = ("Killed", "Terminated", "exit code 137", "DUE TO TIME LIMIT", "[rank ")  # a task or rank that did not stop
+BROKEN = ("Killed", "Terminated", "exit code 137", "DUE TO TIME LIMIT")  # a task that did not stop by itself
 EPOCH_LINE = re.compile(r"^epoch +(\d+)/(\d+) ", re.MULTILINE)
+EVENTS = {
+    "epoch": EPOCH_LINE.pattern,
+    "stopped": r"^stopped by SIGTERM: (?:the files in \S+ are from epoch (\d+)|no epoch had finished)",
+    "resumed": r"^resuming after epoch (\d+) ",
+}
 
 
 @dataclass
@@ -50,19 +55,18 @@ def cluster():
         cluster.stop()
 
 
-def run_job(cluster, folder: Path, time_limit: str, until=None, timeout: float = 600) -> Job:
-    """README's script with SETTINGS, submitted from `folder` and followed until it ends (or `until(job)`, then
-    what that does); notes which rank holds the OUTPUT_DIR lock whenever it is held."""
+def run_job(cluster, folder: Path, time_limit: str, while_running=lambda job: None) -> Job:
+    """README's script with SETTINGS, submitted from `folder` and followed until it ends, with `while_running(job)`
+    at every look; notes the rank of the process that holds the OUTPUT_DIR lock whenever one does."""
     job_id = cluster.submit(slurm_cluster.batch_script(time_limit, SIGNAL_OFFSET, SETTINGS), folder)
     writers: set[str] = set()
 
     def ended(job: dict[str, str]) -> bool:
         writers.update(lock_holder_rank(folder / "runs" / str(job_id)))
-        return (until or (lambda job: False))(job) or job["JobState"] in slurm_cluster.DONE
+        while_running(job)
+        return job["JobState"] in slurm_cluster.DONE
 
-    info = cluster.wait(job_id, timeout, ended)
-    if info["JobState"] not in slurm_cluster.DONE:
-        info = cluster.wait(job_id, 180)
+    info = cluster.wait(job_id, 600, ended)
     return Job(job_id, folder, info, output_of(folder, job_id), writers)
 
 
@@ -88,13 +92,13 @@ def time_limit_job(cluster, tmp_path_factory) -> Job:
 
 
 def events(output: str) -> list[tuple[str, int]]:
-    """("epoch", n), ("stopped", epoch kept) and ("resumed", epoch), in the order printed."""
-    kinds = {"epoch": r"epoch +(\d+)/", "resumed": r"resuming after epoch (\d+) "}
-    kinds["stopped"] = r"stopped by SIGTERM: (?:the files in \S+ are from epoch (\d+)|no epoch had finished)"
+    """("epoch", n), ("stopped", the epoch kept) and ("resumed", the epoch continued from), in the order printed."""
     found = [
-        (kind, m.start(), int(m.group(1) or 0)) for kind, p in kinds.items() for m in re.finditer("^" + p, output, re.M)
+        (match.start(), kind, int(match.group(1) or 0))
+        for kind, pattern in EVENTS.items()
+        for match in re.finditer(pattern, output, re.MULTILINE)
     ]
-    return [(kind, epoch) for kind, _, epoch in sorted(found, key=lambda event: event[1])]
+    return [(kind, epoch) for _, kind, epoch in sorted(found)]
 
 
 def assert_no_task_killed(output: str) -> None:
@@ -118,6 +122,7 @@ def test_two_nodes_train_and_only_global_rank_0_writes(time_limit_job):
     results = {f"runs/{job.id}/{name}" for name in (*outputs.RESULT_FILES, ".lock")}
     assert files == {"job.sh", "train_distribute.py", f"slurm-{job.id}.out", *results}, files
     assert job.writer_ranks == {"0"}, f"the OUTPUT_DIR lock was held by ranks {job.writer_ranks}"
+    assert "\n[rank " not in job.output, job.output  # other ranks print nothing unless something fails
     assert EPOCH_LINE.findall(job.output) == [(str(e), str(EPOCHS)) for e in range(1, EPOCHS + 1)], job.output
 
 
@@ -140,15 +145,13 @@ def test_time_limit_stops_every_rank_with_its_files_and_requeues_until_done(time
 
 
 def test_scancel_stops_the_run_with_its_files_whole_and_says_what_was_kept(cluster, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("scancel")
+    folder, cancelled = tmp_path_factory.mktemp("scancel"), []
 
-    def first_epoch_printed(job: dict[str, str]) -> bool:
-        if EPOCH_LINE.search(output_of(folder, int(job["JobId"]))):
-            cluster.command("scancel", job["JobId"])
-            return True
-        return False
+    def cancel_after_the_first_epoch(job: dict[str, str]) -> None:
+        if not cancelled and EPOCH_LINE.search(output_of(folder, int(job["JobId"]))):
+            cancelled.append(cluster.command("scancel", job["JobId"]))
 
-    job = run_job(cluster, folder, "10", until=first_epoch_printed, timeout=300)
+    job = run_job(cluster, folder, "10", cancel_after_the_first_epoch)
     assert (job.info["JobState"], job.info["Restarts"]) == ("CANCELLED", "0"), job.info  # not requeued
     assert_no_task_killed(job.output)
     printed = [int(epoch) for epoch, _ in EPOCH_LINE.findall(job.output)]
@@ -172,4 +175,7 @@ def test_requeue_of_the_completed_job_changes_nothing(cluster, time_limit_job):
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
-    return {path.name: (path.stat().st_mtime_ns, path.read_bytes()) for path in sorted(folder.iterdir())}
+    """Every file and folder below `folder`: its modification time and bytes."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.is_file() and p.read_bytes()) for p in folder.rglob("*")
+    }

@@ -742,6 +742,17 @@ def test_two_torchrun_nodes_meet_and_only_global_rank_0_writes(tmp_path):
     assert sorted(written) == [0, 1], written
     empty = tmp_path / f"out{written.index(0)}"
     assert not empty.exists() or not any(empty.iterdir())
+    # Started again (a late requeue, or --resume): the machine whose disk holds the finished run decides for both.
+    before = snapshot(tmp_path)
+    nodes = two_nodes(
+        tmp_path,
+        free_port(),
+        [[*TINY[:-1], "--epochs=1", f"--output_dir={tmp_path / f'out{n}'}", "--resume=True"] for n in (0, 1)],
+    )
+    logs = [node.communicate(timeout=HANG_TIMEOUT)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], logs
+    assert "".join(logs).count("already finished: all 1 epochs are in ") == 1 and "epoch 1/1" not in "".join(logs)
+    assert snapshot(tmp_path) == before
 
 
 def test_machines_with_other_data_stop_at_once_naming_the_ranks(tmp_path):
