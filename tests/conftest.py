@@ -273,6 +273,14 @@ def csv_rows(output_dir: Path) -> int:
     return len(pd.read_csv(path)) if path.exists() else 0
 
 
+def snapshot(folder: Path) -> dict[str, tuple[int, bytes | None]]:
+    """Every file and folder below `folder`: its modification time and bytes, to show that nothing changed."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+        for p in folder.rglob("*")
+    }
+
+
 def wait_for_rows(output_dir: Path, rows: int, process, timeout: float = HANG_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while csv_rows(output_dir) < rows:

@@ -12,6 +12,7 @@ import pytest
 
 import outputs
 from tests import slurm_cluster
+from tests.conftest import snapshot
 
 pytestmark = pytest.mark.slurm
 
@@ -172,10 +173,3 @@ def test_requeue_of_the_completed_job_changes_nothing(cluster, time_limit_job):
     assert f"already finished: all {EPOCHS} epochs are in runs/{job.id}; nothing to do" in new, new
     assert not EPOCH_LINE.search(new) and "resuming" not in new, new
     assert snapshot(job.runs) == before  # every file, .lock included, untouched
-
-
-def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
-    """Every file and folder below `folder`: its modification time and bytes."""
-    return {
-        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.is_file() and p.read_bytes()) for p in folder.rglob("*")
-    }

@@ -37,6 +37,7 @@ from tests.conftest import (
     read_config,
     run_script,
     scenario,
+    snapshot,
     start_torchrun,
     torchrun_command,
     wait_for_rows,
@@ -417,11 +418,6 @@ def test_a_bug_in_the_writer_is_one_line_on_every_rank_too(tmp_path):
     assert torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"] == 2 and csv_rows(folder) == 1
 
 
-def snapshot(folder: Path) -> dict:
-    """Every file and folder below `folder`, with its bytes and modification time."""
-    return {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
-
-
 @pytest.mark.parametrize("how", ["resume", "slurm_requeue", "torchrun_under_slurm"])
 def test_a_finished_run_started_again_changes_nothing_and_exits_0(reference_run, tmp_path, how):
     """A requeue that lands after the last epoch, or a --resume of a finished run: one line, exit 0 within 30 s,
@@ -460,8 +456,8 @@ def test_a_restart_that_cannot_read_its_checkpoint_says_so_and_never_starts_over
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot read {checkpoint} ("), lines
     assert "move it away to start the run over" in lines[0] and "epoch 1/" not in result.stdout
-    assert {p: v for p, v in snapshot(folder).items() if p.name != ".lock"} == {
-        p: v for p, v in before.items() if p.name != ".lock"
+    assert {p: v for p, v in snapshot(folder).items() if p != ".lock"} == {
+        p: v for p, v in before.items() if p != ".lock"
     }
 
 
