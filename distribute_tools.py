@@ -120,7 +120,10 @@ def process_group(rank: int, world_size: int, timeout_s: float = 600.0) -> Itera
     except BaseException as error:
         processes.report(error, info.rank)
         together = isinstance(error, UserError)  # raised on every rank alike (see UserError)
-        traceback.clear_frames(error.__traceback__)  # the frames' locals (the model) must not keep the group
+        chained: BaseException | None = error  # a Ctrl-C held up in a collective that a peer left lands as that
+        while chained is not None:  # "Connection closed by peer" unwinds: its frames (train_step's, the model) too
+            traceback.clear_frames(chained.__traceback__)  # the frames' locals (the model) must not keep the group
+            chained = chained.__context__
         raise
     finally:
         cleanup(every_rank_leaves=together)

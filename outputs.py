@@ -49,6 +49,9 @@ COLUMNS: dict[str, tuple[str, str | None]] = {
 # ----------------------------------------------------------------------------- the background writer
 
 
+_UNFINISHED: set["ResultWriter"] = set()  # writers whose close() has not run (finish_writers)
+
+
 class ResultWriter:
     """Writes each epoch's checkpoint, CSV and picture on a background thread, in that order.
 
@@ -64,6 +67,7 @@ class ResultWriter:
         self.history: list[dict[str, float]] = []
         self.plotted_rows = -1
         self.next_plot = 0.0  # time.monotonic() before which the picture is not redrawn
+        _UNFINISHED.add(self)
 
     def wait(self) -> float:
         """Block until the files handed over last are on disk; the seconds waited. Any failed write raises
@@ -97,6 +101,7 @@ class ResultWriter:
                 plot_history(self.history, self.output_dir)
         finally:
             self.pool.shutdown()
+            _UNFINISHED.discard(self)
 
     def _write(self, snapshot: dict[str, Any], history: list[dict[str, float]], ready: Any) -> None:
         if ready is not None:
@@ -108,6 +113,14 @@ class ResultWriter:
             plot_history(history, self.output_dir)
             self.plotted_rows = len(history)
             self.next_plot = time.monotonic() + (time.monotonic() - started) / PLOT_SHARE
+
+
+def finish_writers() -> None:
+    """Close every writer whose close() a stop signal cut off as it began. That happens when the signal was held
+    up in a collective that a peer left: it lands as the peer's "Connection closed" unwinds, on close()'s first
+    line. The files first, then the line that names their epoch (it raises once: this close() runs to its end)."""
+    for writer in list(_UNFINISHED):
+        writer.close()
 
 
 def write_failure(error: Exception, output_dir: str) -> str:

@@ -107,6 +107,7 @@ def start(
             yield _restore(checkpoint, model, optimizer) if checkpoint else []
         except BaseException as error:
             if dist_info.is_main:
+                outputs.finish_writers()  # a stop signal may have cut train()'s close() off: the files first
                 error.resume_hint = _resume_hint(cfg.OUTPUT_DIR)  # type: ignore[attr-defined]
             raise
     finally:
