@@ -311,7 +311,11 @@ def rank_processes(launcher: int, count: int = 2) -> list[int]:
     children = [pid for pid in children_of(launcher) if _parent(pid) == launcher]
     ranks = [pid for pid in children if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(ranks) == count, ranks
-    return sorted(ranks)
+    return sorted(ranks, key=_start_time)  # started in rank order; process ids wrap around on a busy machine
+
+
+def _start_time(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
 
 
 def _parent(pid: int) -> int:
