@@ -91,19 +91,15 @@ def setup(rank: int, world_size: int, timeout_s: float = 600.0) -> DistInfo:
 def cleanup(every_rank_leaves: bool) -> None:
     """Leave the process group. `every_rank_leaves`: all ranks got here together (the normal end, or a
     UserError that every rank raised); they wait for each other first, since a rank that tears the group
-    down while another still uses it aborts the run. After a failure of some ranks only, never wait:
-    NCCL's destroy waits for collectives that the peers may never join."""
-    if not dist.is_initialized():
+    down while another still uses it aborts the run. After a failure of some ranks only, the group stays for
+    the rank's exit to drop (processes.run_rank): NCCL's destroy waits for collectives that the peers may never
+    join, and gloo's deadlocks on one that was cut short (docs/performance.md, torch releases)."""
+    if not (every_rank_leaves and dist.is_initialized()):
         return
     gc.collect()  # the DDP model and its reducer hold the group: freed first, the group's threads end with it
-    if every_rank_leaves:
-        token = all_ranks_meet()
-        dist.destroy_process_group()
-        del token  # freed after the group: torch 2.4's gloo thread could otherwise free it during destroy
-    elif dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
-        dist.distributed_c10d._abort_process_group()
-    else:
-        dist.destroy_process_group()
+    token = all_ranks_meet()
+    dist.destroy_process_group()
+    del token  # freed after the group: torch 2.4's gloo thread could otherwise free it during destroy
 
 
 @contextmanager
@@ -120,9 +116,9 @@ def process_group(rank: int, world_size: int, timeout_s: float = 600.0) -> Itera
     except BaseException as error:
         processes.report(error, info.rank)
         together = isinstance(error, UserError)  # raised on every rank alike (see UserError)
-        chained: BaseException | None = error  # a Ctrl-C held up in a collective that a peer left lands as that
-        while chained is not None:  # "Connection closed by peer" unwinds: its frames (train_step's, the model) too
-            traceback.clear_frames(chained.__traceback__)  # the frames' locals (the model) must not keep the group
+        chained: BaseException | None = error  # its frames and those of the errors it came from: their locals
+        while chained is not None:  # (the model) must not outlive a group that cleanup destroys
+            traceback.clear_frames(chained.__traceback__)
             chained = chained.__context__
         raise
     finally:

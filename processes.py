@@ -205,6 +205,8 @@ def run_rank(rank: int, worker: Callable[..., None], world_size: int, args: tupl
     ignore_stop_signals()  # leaving: a signal now must not turn into "killed by ..."
     sys.stdout.flush()
     sys.stderr.flush()
+    if dist.is_initialized():  # a failed rank's group, left as it was (distribute_tools.cleanup): no teardown
+        os._exit(code)  # of it can hang now; the system closes its connections
     return code
 
 
