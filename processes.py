@@ -245,9 +245,11 @@ def exit_code(error: BaseException) -> int:
 
 
 def _stopped_by(error: BaseException) -> signal.Signals | None:
-    """The stop signal this rank received (whatever the error it caused: a peer that stopped first, say)."""
-    if _stop_signal:
-        return signal.Signals(_stop_signal[0])
+    """The stop signal this rank received (whatever the error it caused: a peer that stopped first, say), also
+    one still held back: a peer that got it first can leave while this rank is still joining the group."""
+    held = sorted(set(STOP_SIGNALS) & signal.sigpending())
+    if _stop_signal or held:
+        return signal.Signals(_stop_signal[0] if _stop_signal else held[0])
     return signal.SIGINT if isinstance(error, KeyboardInterrupt) else None
 
 
