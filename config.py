@@ -45,7 +45,6 @@ FREE_ON_RESUME = (
 LIMITS = {
     "EPOCHS": (1, None),
     "BATCH_SIZE": (1, None),
-    "WIDTH": (1, None),
     "IMAGE_SIZE": (8, None),
     "SYNTHETIC_SIZE": (1, None),
     "ACCUMULATE": (1, None),
@@ -60,6 +59,7 @@ DESCRIPTION = (
     "Train a ResNet with DistributedDataParallel. Every setting is a constant at the top of train_distribute.py; "
     "--name value overrides it for one run. Under torchrun: torchrun [its options] train_distribute.py [settings]."
 )
+DEFAULTS: dict[str, Any] = {}  # every setting's value in the block, as read_config last found it
 KIND_NAMES = {int: "an integer", float: "a number", bool: "True or False", str: "text"}
 TRUE, FALSE = ("true", "1"), ("false", "0")
 
@@ -81,6 +81,7 @@ class Setting:
 def read_config(script: str, argv: list[str]) -> SimpleNamespace:
     """The settings of `script` with the command line's overrides applied, each checked: one line per mistake."""
     settings = read_settings(script)
+    DEFAULTS.update({s.name: s.default for s in settings})
     values, unknown = _parser(settings).parse_known_args(argv)
     if unknown:
         raise UserError(_unknown_argument(unknown[0], settings))
@@ -247,12 +248,14 @@ def check_against_machine(cfg: SimpleNamespace, world_size: int, gpus: int) -> N
 
 
 def check_resume(saved: dict[str, Any], cfg: SimpleNamespace) -> None:
-    """A resumed run continues the same run: every setting outside FREE_ON_RESUME as the checkpoint's."""
+    """A resumed run continues the same run: every setting outside FREE_ON_RESUME as the checkpoint's. A setting
+    added since the checkpoint was written counts as its default there."""
     for name, value in vars(cfg).items():
-        if name not in FREE_ON_RESUME and saved.get(name) != value:
+        was = saved.get(name, DEFAULTS.get(name))
+        if name not in FREE_ON_RESUME and was != value:
             raise UserError(
-                f"RESUME=True but {name}={value!r} differs from the checkpoint's {saved.get(name)!r}; "
-                f"resume with --{name.lower()} {saved.get(name)}, or start a new run"
+                f"RESUME=True but {name}={value!r} differs from the checkpoint's {was!r}; "
+                f"resume with --{name.lower()} {was}, or start a new run"
             )
 
 

@@ -9,6 +9,7 @@ permutation, cut into batches by indexing, cropped, flipped and normalised there
 
 import os
 import socket
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -103,16 +104,30 @@ def check_sizes(cfg: SimpleNamespace, make_model: Callable[[int], torch.nn.Modul
             f"the training set has {train_images} images, fewer than one global batch (BATCH_SIZE={cfg.BATCH_SIZE}); "
             f"lower --batch_size"
         )
-    with torch.device("meta"):  # counts the parameters without allocating them
-        parameters = sum(p.numel() for p in make_model(classes).parameters())
+    parameters = count_parameters(make_model, classes)
     data_bytes = (train_images + test_images) * 3 * cfg.IMAGE_SIZE**2 * (10 if cfg.DATASET == "synthetic" else 2)
     needed, here = ranks * (data_bytes + 20 * parameters), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if needed > here:
         raise UserError(
             f"this run needs about {needed / 2**30:,.0f} GB of memory ({ranks} rank(s) x {data_bytes / 2**30:,.1f} GB "
             f"of images and {20 * parameters / 2**30:,.1f} GB for {parameters:,} parameters), more than this "
-            f"machine's {here / 2**30:,.0f} GB; lower --width, --image_size or the number of images"
+            f"machine's {here / 2**30:,.0f} GB; lower --image_size, the number of images or the network's size"
         )
+
+
+def count_parameters(make_model: Callable[[int], torch.nn.Module], classes: int) -> int:
+    """On the meta device, which allocates nothing, or on the CPU where the constructor computes with its tensors
+    (`.item()`, as timm's models do). A network that cannot be built is one line naming where it failed."""
+    for device in ("meta", "cpu"):
+        try:
+            with torch.device(device):
+                return sum(p.numel() for p in make_model(classes).parameters())
+        except Exception as e:
+            error, where = e, traceback.extract_tb(e.__traceback__)[-1]
+    raise UserError(
+        f"make_model cannot build the network ({type(error).__name__}: {first_line(error)}, at "
+        f"{os.path.basename(where.filename)}:{where.lineno}); fix make_model or the network's settings"
+    )
 
 
 def download_cifar10(data_dir: str, timeout_s: float = 60.0) -> None:

@@ -113,14 +113,17 @@ def process_group(rank: int, world_size: int, timeout_s: float = 600.0) -> Itera
         processes.handle_stop_signals()  # a signal held back while the rank started arrives here, inside the try
         yield info
         together = True
-    except BaseException as error:
+    except BaseException as raised:
+        together = isinstance(raised, UserError)  # raised on every rank alike (see UserError)
+        error = processes.as_user_error(raised)
         processes.report(error, info.rank)
-        together = isinstance(error, UserError)  # raised on every rank alike (see UserError)
         chained: BaseException | None = error  # its frames and those of the errors it came from: their locals
         while chained is not None:  # (the model) must not outlive a group that cleanup destroys
             traceback.clear_frames(chained.__traceback__)
             chained = chained.__context__
-        raise
+        if error is raised:
+            raise
+        raise error from None
     finally:
         cleanup(every_rank_leaves=together)
 

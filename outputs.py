@@ -46,6 +46,20 @@ COLUMNS: dict[str, tuple[str, str | None]] = {
 }
 
 
+def checked_row(row: dict[str, Any]) -> dict[str, float]:
+    """The row with plain numbers, which any checkpoint holds (a numpy or tensor value does not load under
+    weights_only). Every rank builds the same row, so a key that is no column or a value that is no number
+    stops every rank alike at epoch 1, before any file is written."""
+    for key, value in row.items():
+        if key not in COLUMNS:
+            raise UserError(f"the row's {key!r} is not in outputs.COLUMNS; add it there, or leave it out of the row")
+        try:
+            row[key] = value if type(value) in (int, float) else float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise UserError(f"the row's {key} is {type(value).__name__}, not a number; give the row a number") from None
+    return row
+
+
 # ----------------------------------------------------------------------------- the background writer
 
 

@@ -365,6 +365,17 @@ def port_taken(error: BaseException) -> bool:
     return "EADDRINUSE" in str(error) or "Address already in use" in str(error)
 
 
+def as_user_error(error: BaseException) -> BaseException:
+    """DDP's error for a network with parameters that no step uses, as the one line it deserves."""
+    if not (isinstance(error, RuntimeError) and "find_unused_parameters=True" in str(error)):
+        return error
+    unused = str(error).rpartition("did not receive grad for ")[2].split("\n")[0].strip()
+    return UserError(
+        f"the network has parameters that no training step uses ({unused or 'see TORCH_DISTRIBUTED_DEBUG=DETAIL'}); "
+        f"pass find_unused_parameters=True to DistributedDataParallel in build_run, or leave them out"
+    )
+
+
 def first_line(error: BaseException, limit: int = 160) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
 

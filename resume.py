@@ -101,6 +101,8 @@ def start(
                 f"the checkpoint in {cfg.OUTPUT_DIR} was trained on other data (images and checksum: {saved}, now "
                 f"{data['identity']}); resume on the same data, or start a new run without --resume"
             )
+        if checkpoint:
+            _check_same_network(checkpoint["model"], model.state_dict(), cfg.OUTPUT_DIR)
         if dist_info.is_main:
             _prepare_output_dir(cfg, checkpoint, source)
         try:
@@ -113,6 +115,18 @@ def start(
     finally:
         if lock is not None:
             lock.close()  # releases it
+
+
+def _check_same_network(saved: dict[str, torch.Tensor], mine: dict[str, torch.Tensor], output_dir: str) -> None:
+    """Every rank alike, before anything is changed: the checkpoint's weights are this network's, name by name."""
+    for name in [*saved, *(n for n in mine if n not in saved)]:
+        theirs, ours = saved.get(name), mine.get(name)
+        if theirs is None or ours is None or theirs.shape != ours.shape:
+            shapes = [tuple(t.shape) if t is not None else "none" for t in (theirs, ours)]
+            raise UserError(
+                f"the checkpoint in {output_dir} is of another network: its {name} is {shapes[0]}, this network's "
+                f"{shapes[1]}; resume with the network that wrote it, or start a new run in another --output_dir"
+            )
 
 
 def _restore(checkpoint: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, float]]:

@@ -7,8 +7,9 @@
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29400 train_distribute.py
 
 Edit a setting below and rerun. Rank 0 prints one line per epoch and writes OUTPUT_DIR/pytorch_res.csv,
-pytorch_res.png and checkpoint.pt. Comments starting "DDP:" mark where the script meets DistributedDataParallel;
-calls through `resume.`, `processes.` and `outputs.` keep runs safe and can be skipped on a first read.
+pytorch_res.png and checkpoint.pt. Comments starting "DDP:" mark where the script meets DistributedDataParallel
+and where every rank must take part; calls through `resume.`, `processes.` and `outputs.` keep runs safe and can be
+skipped on a first read, but those marked DDP: (and every `all_ranks_` function) must still run on every rank.
 
 What the default recipe does, and what it measured (docs/performance.md and docs/accuracy.md have the tables; CPU
 figures from 2 ranks on a 2-core x86 CPU with AVX512-bf16 unless named; "points": holdout accuracy at width 16
@@ -123,14 +124,14 @@ class Run:
 
 def main_worker(rank: int, world_size: int, cfg: SimpleNamespace, launched_at: float) -> None:
     """Everything one rank does, from joining the group to leaving it."""
-    with distribute_tools.process_group(rank, world_size, cfg.COLLECTIVE_TIMEOUT) as dist_info:  # DDP: join; device
+    with distribute_tools.process_group(rank, world_size, cfg.COLLECTIVE_TIMEOUT) as dist_info:  # DDP: join and leave
         if not resume.all_ranks_finished(cfg, dist_info):  # DDP: every rank asks; a late requeue has nothing to do
             train(build_run(cfg, dist_info, launched_at))  # nothing left holds the model: the group can be destroyed
 
 
 def build_run(cfg: SimpleNamespace, dist_info: DistInfo, launched_at: float) -> Run:
     """Data on the device, the network wrapped in DDP, the optimizer."""
-    train_set, test_set = data.load(cfg, dist_info)  # every rank holds the whole set (checked to be the same)
+    train_set, test_set = data.load(cfg, dist_info)  # DDP: every rank, the whole set (checked to be the same)
     device = dist_info.device
     torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: pick the fastest convolution once
     torch.manual_seed(cfg.SEED)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
@@ -180,7 +181,7 @@ def make_optimizer(cfg: SimpleNamespace, model: nn.Module, device: torch.device,
 def train(run: Run) -> None:
     """The epochs: train, evaluate, report; rank 0 hands each epoch's files to a background writer."""
     cfg, is_main = run.cfg, run.dist_info.is_main
-    # rank 0 locks OUTPUT_DIR; a resumed run gets its weights and optimizer state back, and the epochs done
+    # DDP: every rank; rank 0 locks OUTPUT_DIR; a resumed run gets its weights, optimizer state and rows back
     with resume.start(cfg, run.dist_info, run.data, run.model, run.optimizer) as history:
         writer = outputs.ResultWriter(cfg.OUTPUT_DIR) if is_main else None  # DDP: rank 0 alone writes files
         if is_main:
@@ -192,7 +193,7 @@ def train(run: Run) -> None:
                 (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
                 test_loss, acc = evaluate(run)
                 epoch_seconds = time.perf_counter() - started
-                # every rank: rank 0 waits for the previous epoch's files (a failed write stops every rank)
+                # DDP: every rank; rank 0 waits for the previous epoch's files (a failed write stops every rank)
                 waited = distribute_tools.all_ranks_try(writer.wait if writer else None) or 0.0
                 row = {  # the columns are defined, in this order, in outputs.COLUMNS
                     "epoch": epoch,
@@ -204,10 +205,10 @@ def train(run: Run) -> None:
                     "epoch_seconds": epoch_seconds,
                     "elapsed_seconds": earlier_seconds + time.time() - run.launched_at,
                     "images_per_second": images / train_seconds,
-                    "peak_memory_mb": outputs.all_ranks_peak_memory_mb(run.dist_info.device),
+                    "peak_memory_mb": outputs.all_ranks_peak_memory_mb(run.dist_info.device),  # DDP: max of ranks
                     "write_wait_seconds": waited,
                 }
-                history.append(row)
+                history.append(outputs.checked_row(row))  # plain numbers, every key a column
                 if writer:
                     writer.submit(checkpoint(run, history), history)
                     print(outputs.epoch_line(row, cfg.EPOCHS), flush=True)
@@ -291,7 +292,7 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: n
         sums[0] += loss.detach().float() * len(ys)
         sums[1] += (logits.argmax(dim=1) == ys).sum()
         sums[2] += len(ys)
-    run.optimizer.step()
+    run.optimizer.step()  # DDP: Muon's step broadcasts each rank's share of the filters' updates
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -30,13 +30,28 @@ import config  # noqa: E402  (after hiding the GPUs)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_distribute.py"
+SETTINGS = {s.name: s for s in config.read_settings(str(SCRIPT))}  # the block: the single source of every setting
+
+
+def width(channels: int) -> list[str]:
+    """`--width=N` where the settings block has the ResNet's WIDTH; nothing once another network replaced it."""
+    return [f"--width={channels}"] if "WIDTH" in SETTINGS else []
+
+
 # A small, fast run: tiny network, synthetic images, several steps per epoch.
-TINY = ["--dataset=synthetic", "--synthetic_size=600", "--width=8", "--batch_size=48", "--world_size=2"]
+TINY = ["--dataset=synthetic", "--synthetic_size=600", *width(8), "--batch_size=48", "--world_size=2"]
 HANG_TIMEOUT = 240  # seconds; a run that takes longer than this is hanging, not slow
 
 
 def read_config(argv: list[str]) -> SimpleNamespace:
     return config.read_config(str(SCRIPT), argv)
+
+
+def model_name() -> str:
+    """The class name of what make_model returns: the first word of a run's first line."""
+    import train_distribute
+
+    return type(train_distribute.make_model(read_config(TINY), 10)).__name__
 
 
 def clean_env(**extra: str) -> dict:

@@ -1,10 +1,13 @@
-"""Hooks on checkpoint writes for tests that catch a run in the middle of a background write, or make a write
-fail as on a full disk. The test server installs them in every run it starts (they act only where the run's
-environment asks, and ranks forked from the launcher inherit them):
+"""Hooks on checkpoint writes for tests that catch a run in the middle of a background write, or make a write fail
+as on a full disk, and on the row, as a user adding a column would change it. The test server installs them in every
+run it starts (they act only where the run's environment asks, and ranks forked from the launcher inherit them):
 
     TEST_SLOW_EPOCH=2 TEST_MARKER=/path   epoch 2's checkpoint write takes 2 s; the marker file says it began
     TEST_FAIL_EPOCH=2                     epoch 2's checkpoint write fails as on a full disk
     TEST_WRITE_BUG_EPOCH=2                epoch 2's CSV write raises ValueError, as a bug in the writer would
+    TEST_ROW_KEY=name                     each row gets name = the epoch / 2 as a numpy number
+    TEST_NEW_COLUMN=name                  outputs.COLUMNS gets a column of that name (CSV only)
+    TEST_UNUSED_LAYER=1                   make_model's network gets a layer that its forward never uses
 """
 
 import errno
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import outputs
 
-_save_checkpoint, _write_csv = outputs.save_checkpoint, outputs.write_csv
+_save_checkpoint, _write_csv, _checked_row = outputs.save_checkpoint, outputs.write_csv, outputs.checked_row
 
 
 def hooked_save_checkpoint(state: dict, output_dir: str) -> None:
@@ -33,6 +36,30 @@ def hooked_write_csv(history: list, output_dir: str) -> None:
     _write_csv(history, output_dir)
 
 
+def hooked_checked_row(row: dict) -> dict:
+    if "TEST_ROW_KEY" in os.environ:
+        import numpy
+
+        row[os.environ["TEST_ROW_KEY"]] = numpy.float64(row["epoch"] / 2)  # not a plain float: weights_only refuses it
+    return _checked_row(row)
+
+
 def install_hooks() -> None:
     if any(name.startswith("TEST_") for name in os.environ):
         outputs.save_checkpoint, outputs.write_csv = hooked_save_checkpoint, hooked_write_csv
+        outputs.checked_row = hooked_checked_row
+    if "TEST_UNUSED_LAYER" in os.environ:
+        import torch
+
+        import train_distribute
+
+        make_model = train_distribute.make_model
+
+        def with_unused_layer(cfg, num_classes: int) -> torch.nn.Module:
+            model = make_model(cfg, num_classes)
+            model.register_parameter("unused", torch.nn.Parameter(torch.zeros(2)))
+            return model
+
+        train_distribute.make_model = with_unused_layer
+    if "TEST_NEW_COLUMN" in os.environ:
+        outputs.COLUMNS[os.environ["TEST_NEW_COLUMN"]] = ("a column a test added", None)

@@ -334,17 +334,43 @@ def test_the_identity_tells_other_images_of_the_same_count_apart():
 
 
 @pytest.mark.parametrize(
-    "extra,names", [(["--width=100000"], "--width"), (["--synthetic_size=1000000000"], "number of images")]
+    "extra,network,names",
+    [
+        ([], lambda classes: torch.nn.Linear(10**6, 10**6), "network's size"),
+        (["--synthetic_size=1000000000"], None, "number of images"),
+    ],
 )
-def test_sizes_that_cannot_fit_in_memory_are_refused_before_anything_starts(extra, names):
+def test_sizes_that_cannot_fit_in_memory_are_refused_before_anything_starts(extra, network, names):
     import train_distribute as td
 
     cfg = read_config(["--dataset=synthetic", *extra])
     with pytest.raises(UserError) as error:
-        data.check_sizes(cfg, lambda classes: td.make_model(cfg, classes), ranks=2)
+        data.check_sizes(cfg, network or (lambda classes: td.make_model(cfg, classes)), ranks=2)
     message = str(error.value)
     assert message.startswith("this run needs about ") and "GB of memory" in message and names in message
     assert f"machine's {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:,.0f} GB" in message
+
+
+class ComputesInItsConstructor(torch.nn.Module):
+    """As timm's models do: a value read from a tensor while the network is built, which the meta device refuses."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(int(torch.linspace(0, 8, 9)[-1].item()), classes)
+
+
+def test_the_memory_check_counts_a_network_that_cannot_be_built_on_the_meta_device():
+    assert data.count_parameters(ComputesInItsConstructor, 10) == 8 * 10 + 10
+
+
+def test_a_network_that_cannot_be_built_is_one_line_naming_where():
+    def make_model(classes: int) -> torch.nn.Module:
+        raise OSError("<urlopen error [Errno -3] Temporary failure in name resolution>")  # pretrained, offline
+
+    with pytest.raises(UserError) as error:
+        data.count_parameters(make_model, 10)
+    assert str(error.value).startswith("make_model cannot build the network (OSError: <urlopen error")
+    assert "at test_data.py:" in str(error.value) and "\n" not in str(error.value)
 
 
 # ----------------------------------------------------------------------------- crops and flips

@@ -67,6 +67,17 @@ def test_the_row_has_one_definition_with_a_meaning_for_each_column(tmp_path):
     assert line.startswith("epoch  3/10  loss 0.3333  acc 0.2500") and "1,234 img/s" in line and "10.0 s" in line
 
 
+def test_a_row_is_plain_numbers_and_only_columns():
+    import numpy
+
+    checked = outputs.checked_row({**row(1, 0.5, 100.0), "acc": numpy.float32(0.5), "loss": torch.tensor(2.0)})
+    assert type(checked["acc"]) is float and type(checked["loss"]) is float and type(checked["epoch"]) is int
+    with pytest.raises(UserError, match="the row's 'extra' is not in outputs.COLUMNS; add it there"):
+        outputs.checked_row({**row(1, 0.5, 100.0), "extra": 1.0})
+    with pytest.raises(UserError, match="the row's acc is str, not a number"):
+        outputs.checked_row({**row(1, 0.5, 100.0), "acc": "high"})
+
+
 def test_rows_saved_before_a_column_existed_get_an_empty_cell(tmp_path):
     old = {name: value for name, value in row(1, 0.5, 100.0).items() if name != "write_wait_seconds"}
     outputs.write_csv([old, row(2, 0.6, 100.0)], str(tmp_path))

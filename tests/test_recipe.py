@@ -4,7 +4,6 @@ recipe end to end."""
 import os
 import shutil
 
-import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,7 @@ import train_distribute as td
 from distribute_tools import cleanup, setup
 from outputs import load_checkpoint
 from processes import UserError, free_port
-from tests.conftest import TINY, read_config, run_script
+from tests.conftest import TINY, read_config
 
 
 @pytest.fixture
@@ -72,25 +71,6 @@ def test_a_resume_on_other_data_is_refused(reference_run, one_rank, tmp_path):
         with resume.start(cfg, one_rank, other, run.model, run.optimizer):
             pass
     assert all(torch.equal(before[k], v) for k, v in run.model.state_dict().items())
-
-
-def test_seed_recipe_runs_end_to_end(tmp_path):
-    seed_recipe = [
-        "--optimizer=adam",
-        "--lr=1e-3",
-        "--schedule=constant",
-        "--weight_decay=0",
-        "--label_smoothing=0",
-        "--augment=False",
-        "--tta=False",
-        "--relu_after_sum=False",
-    ]
-    result = run_script(*TINY, *seed_recipe, "--epochs=3", f"--output_dir={tmp_path}")
-    assert result.returncode == 0, result.stderr
-    assert "seed blocks" in result.stdout and "adam peak lr 0.001" in result.stdout
-    df = pd.read_csv(tmp_path / "pytorch_res.csv")
-    assert df["lr"].tolist() == [1e-3] * 3
-    assert df["acc"].iloc[-1] > 0.3, "10 classes: chance is 0.1"
 
 
 def test_the_default_optimizer_is_muon_and_plain_nesterov_sgd_is_one_setting_away():

@@ -1,7 +1,15 @@
+"""The ResNet itself: the only tests that read its settings (WIDTH, RELU_AFTER_SUM) and its layers. A project
+that swaps in another network deletes this file, and the rest of the suite still passes (tests/swap_network.py)."""
+
+import json
+from pathlib import Path
+
+import pandas as pd
 import pytest
 import torch
 
 from resnet import ResNet
+from tests.conftest import TINY, call, run_script
 
 SEED_NETWORK_PARAMETERS = 9_553_674  # the seed's resnet.py, counted with torch
 
@@ -70,3 +78,55 @@ def test_relu_after_the_sum_or_the_seeds_plain_sum():
 def test_rejects_zero_width():
     with pytest.raises(ValueError):
         ResNet(0)
+
+
+# ----------------------------------------------------------------------------- in the training script
+
+
+@pytest.mark.parametrize(
+    "world_size,widths,settings",
+    [
+        (2, range(1, 9), ["--batch_size=32", "--synthetic_size=160"]),
+        (4, range(1, 9), ["--batch_size=64", "--synthetic_size=320"]),
+        (1, [8], ["--batch_size=1", "--synthetic_size=8", "--amp=True"]),
+        *[(2, [8], ["--batch_size=2", "--synthetic_size=8", f"--amp={amp}"]) for amp in (False, True)],
+        *[
+            (2, [8], ["--batch_size=4", "--synthetic_size=32", f"--image_size={size}", f"--amp={amp}"])
+            for size in (64, 96)
+            for amp in (False, True)
+        ],
+    ],
+)
+def test_no_width_or_batch_crashes_a_rank(tmp_path, world_size, widths, settings):
+    """oneDNN's weight gradient of a strided 1x1 convolution with at most 8 input channels in channels_last corrupts
+    the heap on AVX-512 CPUs without AMX (docs/cpu-kinds.md): widths 1-8 in every case below crashed a rank there,
+    as did one image per rank in bf16 and width 8 at 64 and 96 pixels."""
+    out = str(tmp_path / "widths.json")
+    assert call("tests.workers:start", "widths_worker", world_size, list(widths), settings, out).returncode == 0
+    assert json.loads(Path(out).read_text()) == list(widths)
+
+
+def test_seed_recipe_runs_end_to_end(tmp_path):
+    seed_recipe = [
+        "--optimizer=adam",
+        "--lr=1e-3",
+        "--schedule=constant",
+        "--weight_decay=0",
+        "--label_smoothing=0",
+        "--augment=False",
+        "--tta=False",
+        "--relu_after_sum=False",
+    ]
+    result = run_script(*TINY, *seed_recipe, "--epochs=3", f"--output_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert "seed blocks" in result.stdout and "adam peak lr 0.001" in result.stdout
+    df = pd.read_csv(tmp_path / "pytorch_res.csv")
+    assert df["lr"].tolist() == [1e-3] * 3
+    assert df["acc"].iloc[-1] > 0.3, "10 classes: chance is 0.1"
+
+
+def test_width_0_is_one_line_before_anything_starts(tmp_path):
+    result = run_script(*TINY, "--width=0", f"--output_dir={tmp_path / 'out'}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().startswith("error: make_model cannot build the network (ValueError: width and ")
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

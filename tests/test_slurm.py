@@ -12,11 +12,11 @@ import pytest
 
 import outputs
 from tests import slurm_cluster
-from tests.conftest import snapshot
+from tests.conftest import model_name, snapshot, width
 
 pytestmark = pytest.mark.slurm
 
-SETTINGS = ["--dataset=synthetic", "--synthetic_size=3000", "--width=8", "--batch_size=64", "--epochs=30"]
+SETTINGS = ["--dataset=synthetic", "--synthetic_size=3000", *width(8), "--batch_size=64", "--epochs=30"]
 EPOCHS = 30
 # SLURM checks time limits every 30 s and signals up to 30 s early: at a 2-minute limit USR1 @60 comes 30 to 60 s
 # after the start, 60 to 90 s before the limit. 30 epochs (90 s of training on a 2-core x86 CPU with AVX512-bf16, one
@@ -114,7 +114,7 @@ def csv_epochs(runs: Path) -> list[int]:
 def test_two_nodes_train_and_only_global_rank_0_writes(time_limit_job):
     job = time_limit_job
     assert job.info["NodeList"] == "n[1-2]", job.info
-    starts = [line for line in job.output.splitlines() if line.startswith("ResNet(")]
+    starts = [line for line in job.output.splitlines() if line.startswith(f"{model_name()}(")]
     assert starts and all("| 2 rank(s) on cpu (gloo) |" in line for line in starts), job.output  # a rank per node
     rows = pd.read_csv(job.runs / outputs.CSV_NAME)
     assert rows["loss"].iloc[-1] < rows["loss"].iloc[0], rows
@@ -139,7 +139,7 @@ def test_time_limit_stops_every_rank_with_its_files_and_requeues_until_done(time
         assert seen[i][1] == (printed[-1] if printed else 0), seen  # the checkpoint holds the last epoch printed
         assert ("resumed", seen[i][1]) in seen[i + 1 : i + 2] or seen[i][1] == 0, seen  # and the requeue continues
     # every start prints the first line, or (the signal came as the run ended) that it had already finished
-    starts = len(re.findall(r"^(?:ResNet\(|already finished:)", job.output, re.MULTILINE))
+    starts = len(re.findall(rf"^(?:{model_name()}\(|already finished:)", job.output, re.MULTILINE))
     assert int(job.info["Restarts"]) == starts - 1 >= len(stops), job.info
     assert csv_epochs(job.runs) == list(range(1, EPOCHS + 1))
     assert outputs.checkpoint_epoch(str(job.runs)) == EPOCHS

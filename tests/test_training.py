@@ -24,6 +24,7 @@ from processes import UserError
 from tests.conftest import (
     HANG_TIMEOUT,
     SCRIPT,
+    SETTINGS,
     TINY,
     alive,
     call,
@@ -31,6 +32,7 @@ from tests.conftest import (
     clean_env,
     csv_rows,
     launch,
+    model_name,
     needs,
     new_interpreter,
     rank_processes,
@@ -41,21 +43,10 @@ from tests.conftest import (
     start_torchrun,
     torchrun_command,
     wait_for_rows,
+    width,
 )
 
-COLUMNS = [
-    "epoch",
-    "loss",
-    "acc",
-    "test_loss",
-    "train_acc",
-    "lr",
-    "epoch_seconds",
-    "elapsed_seconds",
-    "images_per_second",
-    "peak_memory_mb",
-    "write_wait_seconds",
-]
+COLUMNS = list(outputs.COLUMNS)  # the single source: a column added there is checked here too
 
 
 # ----------------------------------------------------------------------------- one normal run, read many ways
@@ -64,7 +55,7 @@ COLUMNS = [
 def test_two_ranks_write_one_row_per_epoch_and_learn(reference_run):
     out, _, _ = reference_run
     df = pd.read_csv(out / "pytorch_res.csv")
-    assert list(df.columns) == COLUMNS == list(outputs.COLUMNS)
+    assert list(df.columns) == COLUMNS
     assert df["epoch"].tolist() == [1, 2, 3, 4, 5]
     assert df["acc"].between(0, 1).all() and (df["images_per_second"] > 0).all() and (df["lr"] > 0).all()
     assert df["acc"].iloc[-1] > 0.5, "10 classes: chance is 0.1"
@@ -90,7 +81,7 @@ def test_only_rank_0_speaks_in_plain_lines_when_not_on_a_terminal(reference_run)
     assert result.stderr.strip() == "", result.stderr
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1 + 5 + 1, result.stdout  # what the run is, one line per epoch, the summary
-    assert lines[0].startswith("ResNet(width=8") and "2 rank(s) on cpu (gloo)" in lines[0]
+    assert lines[0].startswith(f"{model_name()}(") and "2 rank(s) on cpu (gloo)" in lines[0]
     assert "start-up " in lines[0]
     assert [line.split()[1] for line in lines[1:6]] == [f"{e}/5" for e in range(1, 6)]
     assert lines[-1].startswith("done: 5 epochs") and "pytorch_res.png" in lines[-1]
@@ -119,7 +110,7 @@ def test_checkpoint_is_plain_and_complete(reference_run):
     checkpoint = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert checkpoint["epoch"] == 5 and len(checkpoint["history"]) == 5
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in checkpoint["model"])
-    assert checkpoint["config"]["WIDTH"] == 8 and "state" in checkpoint["optimizer"]
+    assert checkpoint["config"]["BATCH_SIZE"] == 48 and "state" in checkpoint["optimizer"]
     recorded = checkpoint["data"]  # what an evaluation of the weights needs, and what a resume checks
     assert recorded["classes"] == [f"class_{c}" for c in range(10)] and recorded["image_size"] == 32
     assert len(recorded["mean"]) == 3 and recorded["identity"].startswith("600 train and 120 test images of 32x32")
@@ -265,9 +256,11 @@ def test_two_ranks_step_like_one_rank_on_the_whole_batch(steps):
 
 
 def test_batchnorm_normalises_each_ranks_share(steps):
-    """With BatchNorm each rank normalises by its own 128 images: 2 x 128 does not step like 1 x 256."""
+    """With BatchNorm each rank normalises by its own 128 images: 2 x 128 does not step like 1 x 256. The gap is
+    far above float rounding (below 1e-4, the test above): 0.080 measured for the ResNet at width 4, 0.016 for the
+    small CNN of tests/swap_network.py."""
     one, plain = steps["ws1"]["bn"], steps["ws2"]["bn"]
-    assert gradient_difference(plain, one) > 2e-2
+    assert gradient_difference(plain, one) > 1e-3
 
 
 def test_accumulation_steps_like_the_whole_share(steps):
@@ -278,29 +271,6 @@ def test_accumulation_steps_like_the_whole_share(steps):
     ws2 = steps["ws2"]
     assert gradient_difference(ws2["no_bn_accumulate"], ws2["no_bn"]) < 1e-4
     assert 0 < gradient_difference(ws2["accumulate"], ws2["bn"]) < 0.25
-
-
-@pytest.mark.parametrize(
-    "world_size,widths,settings",
-    [
-        (2, range(1, 9), ["--batch_size=32", "--synthetic_size=160"]),
-        (4, range(1, 9), ["--batch_size=64", "--synthetic_size=320"]),
-        (1, [8], ["--batch_size=1", "--synthetic_size=8", "--amp=True"]),
-        *[(2, [8], ["--batch_size=2", "--synthetic_size=8", f"--amp={amp}"]) for amp in (False, True)],
-        *[
-            (2, [8], ["--batch_size=4", "--synthetic_size=32", f"--image_size={size}", f"--amp={amp}"])
-            for size in (64, 96)
-            for amp in (False, True)
-        ],
-    ],
-)
-def test_no_width_or_batch_crashes_a_rank(tmp_path, world_size, widths, settings):
-    """oneDNN's weight gradient of a strided 1x1 convolution with at most 8 input channels in channels_last corrupts
-    the heap on AVX-512 CPUs without AMX (docs/cpu-kinds.md): widths 1-8 in every case below crashed a rank there,
-    as did one image per rank in bf16 and width 8 at 64 and 96 pixels."""
-    out = str(tmp_path / "widths.json")
-    assert call("tests.workers:start", "widths_worker", world_size, list(widths), settings, out).returncode == 0
-    assert json.loads(Path(out).read_text()) == list(widths)
 
 
 # ----------------------------------------------------------------------------- runs that reuse an output folder
@@ -379,21 +349,74 @@ def test_kill_9_during_a_background_write_loses_only_that_epoch(reference_run, t
     resume_and_check(folder, out, args)
 
 
-def test_a_resume_continues_a_checkpoint_saved_before_a_column_existed(reference_run, tmp_path):
+def test_a_resume_continues_a_checkpoint_saved_before_a_column_and_a_setting_existed(reference_run, tmp_path):
     """A checkpoint whose rows lack a column the code now writes: the resume works, earlier rows get an empty
     cell."""
     out, _, _ = reference_run
     folder = tmp_path / "out"
     shutil.copytree(out, folder)
     checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
-    history = [{k: v for k, v in row.items() if k != "write_wait_seconds"} for row in checkpoint["history"][:3]]
+    newest = COLUMNS[-1]  # as if this column and the last setting were added after the checkpoint was written
+    history = [{k: v for k, v in row.items() if k != newest} for row in checkpoint["history"][:3]]
     checkpoint.update(epoch=3, history=history)
+    del checkpoint["config"][list(SETTINGS)[-1]]
     torch.save(checkpoint, folder / "checkpoint.pt")
     result = run_script(*TINY, "--epochs=5", f"--output_dir={folder}", "--resume=True")
     assert result.returncode == 0 and result.stderr == "", result.stderr
     df = pd.read_csv(folder / "pytorch_res.csv")
     assert df["epoch"].tolist() == [1, 2, 3, 4, 5] and list(df.columns) == COLUMNS
-    assert df["write_wait_seconds"].isna().tolist() == [True, True, True, False, False]
+    assert df[newest].isna().tolist() == [True, True, True, False, False]
+
+
+def test_a_column_added_in_one_place_reaches_the_csv_and_the_checkpoint(tmp_path):
+    """A COLUMNS entry and the row's value (here a numpy number, which the row turns into a plain one)."""
+    added = clean_env(TEST_NEW_COLUMN="half_epoch", TEST_ROW_KEY="half_epoch")
+    result = run_script(*TINY, "--epochs=2", f"--output_dir={tmp_path}", env=added)
+    assert result.returncode == 0, result.stderr
+    df = pd.read_csv(tmp_path / "pytorch_res.csv")
+    assert list(df.columns) == [*COLUMNS, "half_epoch"] and df["half_epoch"].tolist() == [0.5, 1.0]
+    history = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["history"]
+    assert [row["half_epoch"] for row in history] == [0.5, 1.0]
+
+
+def test_a_row_value_that_is_no_column_stops_every_rank_at_epoch_1_in_one_line(tmp_path):
+    folder = tmp_path / "out"
+    result = run_script(*TINY, "--epochs=2", f"--output_dir={folder}", env=clean_env(TEST_ROW_KEY="surprise"))
+    assert result.returncode == processes.EXIT_USER_ERROR and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: the row's 'surprise' is not in outputs.COLUMNS; add it there, or leave it out of the row"
+    ]
+    assert not any((folder / name).exists() for name in outputs.RESULT_FILES)
+
+
+def test_a_network_with_parameters_that_no_step_uses_is_one_line_naming_the_fix(tmp_path):
+    result = run_script(*TINY, "--epochs=1", f"--output_dir={tmp_path}", env=clean_env(TEST_UNUSED_LAYER="1"))
+    assert result.returncode == processes.EXIT_USER_ERROR and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the network has parameters that no training step uses (")
+    assert "find_unused_parameters=True" in lines[0] and not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_a_checkpoint_of_another_network_is_refused_in_one_line_before_training(reference_run, tmp_path):
+    out, _, _ = reference_run
+    folder = tmp_path / "out"
+    shutil.copytree(out, folder)
+    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
+    checkpoint["epoch"], checkpoint["history"] = 2, checkpoint["history"][:2]
+    first = next(iter(checkpoint["model"]))
+    checkpoint["model"][first] = torch.zeros(1)  # as written by another network
+    torch.save(checkpoint, folder / "checkpoint.pt")
+    before = snapshot(folder)
+    result = run_script(*TINY, "--epochs=5", f"--output_dir={folder}", "--resume=True")
+    assert result.returncode == processes.EXIT_USER_ERROR and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: the checkpoint in {folder} is of another network: its {first} is (1,), this network's "
+        f"{tuple(torch.load(out / 'checkpoint.pt', weights_only=True)['model'][first].shape)}; resume with the "
+        "network that wrote it, or start a new run in another --output_dir"
+    ]
+    assert {p: v for p, v in snapshot(folder).items() if p != ".lock"} == {
+        p: v for p, v in before.items() if p != ".lock"
+    }
 
 
 def test_a_failed_write_ends_the_run_with_one_line_and_keeps_the_last_files(tmp_path):
@@ -462,7 +485,7 @@ def test_a_restart_that_cannot_read_its_checkpoint_says_so_and_never_starts_over
     }
 
 
-@pytest.mark.parametrize("change", ["--batch_size=64", "--epochs=7", "--width=16", "--lr=0.1"])
+@pytest.mark.parametrize("change", ["--batch_size=64", "--epochs=7", "--momentum=0.8", "--lr=0.1"])
 def test_resume_refuses_a_different_run(reference_run, change):
     out, _, _ = reference_run
     cfg = read_config([*TINY, "--epochs=5", f"--output_dir={out}", "--resume=True", change])
@@ -488,7 +511,7 @@ def image_folder_of(root: Path, seed: int, sizes: tuple = (32,)) -> None:
 def test_a_resume_on_other_images_of_the_same_count_and_classes_is_refused(tmp_path):
     for name, seed in (("a", 0), ("b", 1)):
         image_folder_of(tmp_path / name, seed)
-    common = ["--dataset=imagefolder", "--width=4", "--batch_size=4", "--epochs=2", f"--output_dir={tmp_path / 'out'}"]
+    common = ["--dataset=imagefolder", *width(4), "--batch_size=4", "--epochs=2", f"--output_dir={tmp_path / 'out'}"]
     first = run_script(*common, f"--data_dir={tmp_path / 'a'}", "--epochs=2")
     assert first.returncode == 0, first.stderr
     saved = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)  # as if stopped after epoch 1 of 2
@@ -505,7 +528,7 @@ def test_a_resume_on_other_images_of_the_same_count_and_classes_is_refused(tmp_p
 def test_a_run_at_64x64_trains_at_64x64(tmp_path):
     image_folder_of(tmp_path / "images", seed=0, sizes=(64, 48))  # half the images must be resized
     folder = tmp_path / "out"
-    args = ["--dataset=imagefolder", f"--data_dir={tmp_path / 'images'}", "--image_size=64", "--width=4"]
+    args = ["--dataset=imagefolder", f"--data_dir={tmp_path / 'images'}", "--image_size=64", *width(4)]
     result = run_script(*args, "--batch_size=4", "--epochs=1", f"--output_dir={folder}")
     assert result.returncode == 0, result.stderr
     assert "(16 train, 4 test images, 10 resized to 64x64)" in result.stdout.splitlines()[0]
@@ -526,7 +549,8 @@ def test_non_finite_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(ref
     shutil.copytree(out, folder)
     checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
     checkpoint["epoch"], checkpoint["history"] = 2, checkpoint["history"][:2]
-    checkpoint["model"]["head.bias"][0] = math.nan  # weights gone bad: epoch 3 cannot have a finite loss
+    first_weights = next(t for t in checkpoint["model"].values() if t.is_floating_point())
+    first_weights[(0,) * first_weights.dim()] = math.nan  # weights gone bad: epoch 3 cannot have a finite loss
     torch.save(checkpoint, folder / "checkpoint.pt")
     saved = (folder / "checkpoint.pt").read_bytes()
     result = run_script(*TINY, "--epochs=5", f"--output_dir={folder}", "--resume=True")
@@ -759,7 +783,7 @@ def test_machines_with_other_data_stop_at_once_naming_the_ranks(tmp_path):
     image_folder(tmp_path / "a", {"train/cat": 6, "train/dog": 6, "test/cat": 2, "test/dog": 2})
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     (tmp_path / "b" / "train" / "dog" / "5.jpg").write_bytes((tmp_path / "a" / "train" / "cat" / "0.jpg").read_bytes())
-    common = ["--dataset=imagefolder", "--width=4", "--batch_size=4", "--epochs=1", "--collective_timeout=300"]
+    common = ["--dataset=imagefolder", *width(4), "--batch_size=4", "--epochs=1", "--collective_timeout=300"]
     nodes = two_nodes(
         tmp_path,
         free_port(),

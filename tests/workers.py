@@ -18,11 +18,11 @@ import outputs
 import processes
 import train_distribute as td
 from distribute_tools import cleanup, setup
-from tests.conftest import read_config
+from tests.conftest import read_config, width
 
 # A tiny run: synthetic images, no augmentation noise between runs that are compared.
 TINY_ARGS = ["--dataset=synthetic", "--synthetic_size=512", "--amp=False", "--augment=False", "--epochs=1"]
-STEP_ARGS = [*TINY_ARGS, "--width=4", "--batch_size=256"]
+STEP_ARGS = [*TINY_ARGS, *width(4), "--batch_size=256"]
 
 
 def start(worker_name: str, world_size: int, *args) -> int:
