@@ -349,16 +349,22 @@ def test_kill_9_during_a_background_write_loses_only_that_epoch(reference_run, t
     resume_and_check(folder, out, args)
 
 
+def copy_stopped_after(out: Path, folder: Path, epoch: int) -> dict:
+    """The reference run's files copied to `folder`, and its checkpoint as if the run had stopped after `epoch`
+    (for the test to change and save)."""
+    shutil.copytree(out, folder)
+    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
+    checkpoint["epoch"], checkpoint["history"] = epoch, checkpoint["history"][:epoch]
+    return checkpoint
+
+
 def test_a_resume_continues_a_checkpoint_saved_before_a_column_and_a_setting_existed(reference_run, tmp_path):
     """A checkpoint whose rows lack a column the code now writes: the resume works, earlier rows get an empty
     cell."""
-    out, _, _ = reference_run
     folder = tmp_path / "out"
-    shutil.copytree(out, folder)
-    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
+    checkpoint = copy_stopped_after(reference_run[0], folder, epoch=3)
     newest = COLUMNS[-1]  # as if this column and the last setting were added after the checkpoint was written
-    history = [{k: v for k, v in row.items() if k != newest} for row in checkpoint["history"][:3]]
-    checkpoint.update(epoch=3, history=history)
+    checkpoint["history"] = [{k: v for k, v in row.items() if k != newest} for row in checkpoint["history"]]
     del checkpoint["config"][list(SETTINGS)[-1]]
     torch.save(checkpoint, folder / "checkpoint.pt")
     result = run_script(*TINY, "--epochs=5", f"--output_dir={folder}", "--resume=True")
@@ -400,9 +406,7 @@ def test_a_network_with_parameters_that_no_step_uses_is_one_line_naming_the_fix(
 def test_a_checkpoint_of_another_network_is_refused_in_one_line_before_training(reference_run, tmp_path):
     out, _, _ = reference_run
     folder = tmp_path / "out"
-    shutil.copytree(out, folder)
-    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
-    checkpoint["epoch"], checkpoint["history"] = 2, checkpoint["history"][:2]
+    checkpoint = copy_stopped_after(out, folder, epoch=2)
     first = next(iter(checkpoint["model"]))
     checkpoint["model"][first] = torch.zeros(1)  # as written by another network
     torch.save(checkpoint, folder / "checkpoint.pt")
@@ -544,11 +548,8 @@ def test_master_port_0_picks_a_free_port(tmp_path):
 
 
 def test_non_finite_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(reference_run, tmp_path):
-    out, _, _ = reference_run
     folder = tmp_path / "out"
-    shutil.copytree(out, folder)
-    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
-    checkpoint["epoch"], checkpoint["history"] = 2, checkpoint["history"][:2]
+    checkpoint = copy_stopped_after(reference_run[0], folder, epoch=2)
     first_weights = next(t for t in checkpoint["model"].values() if t.is_floating_point())
     first_weights[(0,) * first_weights.dim()] = math.nan  # weights gone bad: epoch 3 cannot have a finite loss
     torch.save(checkpoint, folder / "checkpoint.pt")
