@@ -105,25 +105,22 @@ def cleanup(every_rank_leaves: bool) -> None:
 @contextmanager
 def process_group(rank: int, world_size: int, timeout_s: float = 600.0) -> Iterator[DistInfo]:
     """setup(), then cleanup() however the block ends. Stop signals are handled from the moment the rank
-    belongs to the group. A failure is reported before the group is left: once one rank exits, the others
-    are stopped, and a later report could be lost."""
+    belongs to the group. A failure is reported (processes.report) before the group is left: once one rank
+    exits, the launcher stops the others, and a later report could be lost. It leaves as SystemExit(code)."""
     info = setup(rank, world_size, timeout_s)
     together = False
     try:
         processes.handle_stop_signals()  # a signal held back while the rank started arrives here, inside the try
         yield info
         together = True
-    except BaseException as raised:
-        together = isinstance(raised, UserError)  # raised on every rank alike (see UserError)
-        error = processes.as_user_error(raised)
-        processes.report(error, info.rank)
+    except BaseException as error:
+        together = isinstance(error, UserError)  # raised on every rank alike (see UserError)
+        code = processes.report(error, info.rank)
         chained: BaseException | None = error  # its frames and those of the errors it came from: their locals
         while chained is not None:  # (the model) must not outlive a group that cleanup destroys
             traceback.clear_frames(chained.__traceback__)
             chained = chained.__context__
-        if error is raised:
-            raise
-        raise error from None
+        raise SystemExit(code) from None
     finally:
         cleanup(every_rank_leaves=together)
 

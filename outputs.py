@@ -331,9 +331,10 @@ class Progress:
         from tqdm import tqdm
 
         on = enabled and sys.stdout.isatty()
-        self.bar = (
-            tqdm(total=steps, desc=f"epoch {epoch}/{epochs}", unit="step", leave=False, file=sys.stdout) if on else None
-        )
+        # delay: first drawn by update(), inside train_epoch's `with closing(...)`, so that a Ctrl-C landing as
+        # the bar first shows still closes it before the run's last line
+        options = {"unit": "step", "leave": False, "file": sys.stdout, "delay": 1e-9}
+        self.bar = tqdm(total=steps, desc=f"epoch {epoch}/{epochs}", **options) if on else None
         self.every, self.world_size, self.started = max(1, every), world_size, time.perf_counter()
         self.queued: tuple[torch.Tensor, Any] | None = None  # GPU: (host copy of the sums, its event)
 

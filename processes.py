@@ -10,6 +10,7 @@ A reader adapting the template can skip this file. What it guarantees:
 """
 
 import datetime
+import json
 import multiprocessing
 import os
 import shutil
@@ -55,6 +56,7 @@ class Cancelled(BaseException):
 _stop_signal: list[int] = []  # the stop signal this rank received, if any
 _launcher_pid: list[int] = []  # the process that spawned this rank (empty under torchrun)
 _finished: list[bool] = []  # set once the rank's work is done
+_kept_files: list[Callable[[], str]] = []  # what a run that ends now keeps (tell_kept_files)
 
 
 # ----------------------------------------------------------------------------- the launcher
@@ -171,12 +173,13 @@ def _explain(codes: dict[int, int], forwarded: int) -> int:
     rank, code = next((rank, code) for rank, code in codes.items() if code != 0)
     if code in (EXIT_USER_ERROR, EXIT_PORT_TAKEN, EXIT_PREEMPTED, EXIT_INTERRUPTED):
         return code
+    kept = f"; {_kept_files[0]()}" if _kept_files else ""
     if code < 0:
         name = signal.Signals(-code).name
         hint = " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if name == "SIGKILL" else ""
-        print_error(f"error: rank {rank} was killed by {name}{hint}; stopped the other ranks")
+        print_error(f"error: rank {rank} was killed by {name}{hint}; stopped the other ranks{kept}")
     else:
-        print_error(f"error: rank {rank} exited with code {code}; stopped the other ranks")
+        print_error(f"error: rank {rank} exited with code {code}; stopped the other ranks{kept}")
     return 1
 
 
@@ -185,23 +188,21 @@ def _explain(codes: dict[int, int], forwarded: int) -> int:
 
 def _rank_entry(rank: int, worker: Callable[..., None], world_size: int, args: tuple, launcher_pid: int) -> None:
     _launcher_pid.append(launcher_pid)
+    _kept_files.clear()  # a rank forked from the launcher (the tests) learns its own
     die_with_parent(launcher_pid)
     sys.exit(run_rank(rank, worker, world_size, args))
 
 
 def run_rank(rank: int, worker: Callable[..., None], world_size: int, args: tuple) -> int:
-    """Run worker(rank, world_size, *args) in this process and return its exit code; a failure the worker
-    did not report is reported here."""
+    """Run worker(rank, world_size, *args) in this process and return its exit code; a failure that no
+    distribute_tools.process_group reported is reported here."""
     if not _launcher_pid:  # started by torchrun, which must not leave it behind either
         die_with_parent(None)
     try:
         worker(rank, world_size, *args)
         code = 0
     except BaseException as error:  # every way out of a rank becomes an exit code
-        report(error, rank)
-        code = exit_code(error)
-        if os.environ.get("TORCHELASTIC_RUN_ID"):
-            _tell_torchrun(error)
+        code = report(error, rank)
     ignore_stop_signals()  # leaving: a signal now must not turn into "killed by ..."
     sys.stdout.flush()
     sys.stderr.flush()
@@ -210,38 +211,42 @@ def run_rank(rank: int, worker: Callable[..., None], world_size: int, args: tupl
     return code
 
 
-def report(error: BaseException, rank: int) -> None:
-    """Once per error: a stop as rank 0's one line, a UserError as one line per machine, a lost peer as one
-    line, anything unexpected as the rank's traceback; lines of ranks other than 0 start with the rank."""
-    if getattr(error, "reported", False) or isinstance(error, (Cancelled, SystemExit)):
-        return
-    error.reported = True  # type: ignore[attr-defined]
-    tag, stop = "" if rank == 0 else f"[rank {rank}] ", _stopped_by(error)
+def report(error: BaseException, rank: int) -> int:
+    """The one place that decides what a rank that fails or is stopped prints, and its exit code; called once
+    per error. A stop: rank 0's one line naming the files kept. A UserError: one line per machine. A lost peer:
+    one line. Anything else: the rank's traceback. Lines of ranks other than 0 start with the rank."""
+    if isinstance(error, SystemExit):  # sys.exit(), or an error distribute_tools.process_group reported
+        return error.code if isinstance(error.code, int) else 0 if error.code is None else 1
+    error, stop, tag = as_user_error(error), _stopped_by(error), "" if rank == 0 else f"[rank {rank}] "
     if stop:
         if rank == 0:
-            hint = getattr(error, "resume_hint", "it stopped before training began; nothing in OUTPUT_DIR changed")
-            print_error(f"{'interrupted' if stop == signal.SIGINT else f'stopped by {stop.name}'}: {hint}")
-    elif isinstance(error, UserError):
+            kept = (
+                _kept_files[0]() if _kept_files else "it stopped before training began; nothing in OUTPUT_DIR changed"
+            )
+            print_error(f"{'interrupted' if stop == signal.SIGINT else f'stopped by {stop.name}'}: {kept}")
+        return EXIT_INTERRUPTED if stop == signal.SIGINT else EXIT_PREEMPTED
+    if isinstance(error, Cancelled):  # another rank failed first: the launcher's line speaks for the run
+        return 1
+    if isinstance(error, UserError):
         if os.environ.get("LOCAL_RANK", str(rank)) == "0":
             print_error(f"{tag}error: {error}")
-    elif any(text in str(error) for text in PEER_LOST):
+        if os.environ.get("TORCHELASTIC_RUN_ID"):
+            _tell_torchrun(error)
+        return EXIT_USER_ERROR
+    if _launcher_pid and port_taken(error):  # rank 0 lost its port: the launcher tries another, silently
+        return EXIT_PORT_TAKEN
+    if any(text in str(error) for text in PEER_LOST):
         print_error(f"[rank {rank}] stopped: another rank failed or was stopped ({first_line(error)})")
-    elif not (rank == 0 and _launcher_pid and port_taken(error)):  # the launcher tries another port
+    else:
         lines = [f"failed with {type(error).__name__}:", *traceback.format_exception(error)]
         print_error("\n".join(f"[rank {rank}] {line}" for text in lines for line in text.rstrip().splitlines()))
-
-
-def exit_code(error: BaseException) -> int:
-    stop = _stopped_by(error)
-    if stop:
-        return EXIT_INTERRUPTED if stop == signal.SIGINT else EXIT_PREEMPTED
-    if isinstance(error, UserError):
-        return EXIT_USER_ERROR
-    if isinstance(error, SystemExit):
-        return error.code if isinstance(error.code, int) else 0 if error.code is None else 1
-    if _launcher_pid and port_taken(error):
-        return EXIT_PORT_TAKEN
     return 1
+
+
+def tell_kept_files(describe: Callable[[], str]) -> None:
+    """From now on the line that ends a stopped or failed run adds describe(): which epoch's files are kept,
+    and how to continue (resume.py says it, in the launcher and in rank 0)."""
+    _kept_files[:] = [describe]
 
 
 def _stopped_by(error: BaseException) -> signal.Signals | None:
@@ -251,15 +256,6 @@ def _stopped_by(error: BaseException) -> signal.Signals | None:
     if _stop_signal or held:
         return signal.Signals(_stop_signal[0] if _stop_signal else held[0])
     return signal.SIGINT if isinstance(error, KeyboardInterrupt) else None
-
-
-def refuse_to_start(error: UserError) -> int:
-    """A problem found before training: one line (once per machine under torchrun); the exit code."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print_error(f"error: {error}")
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        _tell_torchrun(error)
-    return EXIT_USER_ERROR
 
 
 def handle_stop_signals() -> None:
@@ -300,17 +296,14 @@ def ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _tell_torchrun(error: BaseException) -> None:
+def _tell_torchrun(error: UserError) -> None:
     """torchrun's failure report shows the message of TORCHELASTIC_ERROR_FILE: our one line. A UserError
     fails the same way after a restart: if torchrun has restarts left, local rank 0 asks it to stop."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path and isinstance(error, UserError):
-        import json
-
+    if path:
         with open(path, "w") as f:
             json.dump({"message": f"error: {error}", "timestamp": int(time.time())}, f)
-    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count()
-    if not isinstance(error, UserError) or restarts_left <= 0:
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count() <= 0:
         return
     # torchrun restarts after a failed worker, never after SIGTERM. Every worker stays until torchrun's SIGTERM
     # ends it (a worker that left first would count as failed), and local rank 0 asks again each second: Python

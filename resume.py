@@ -69,7 +69,7 @@ def finished_here(cfg: SimpleNamespace) -> bool:
 
 def check_before_start(cfg: SimpleNamespace) -> None:
     """OUTPUT_DIR is (or can become) a writable folder that no other run holds, and a --resume finds a
-    checkpoint of the same settings. Creates nothing."""
+    checkpoint of the same settings. Creates nothing. The launcher learns what a failed run keeps."""
     folder = os.path.abspath(cfg.OUTPUT_DIR)
     existing = folder
     while not os.path.exists(existing):
@@ -82,6 +82,11 @@ def check_before_start(cfg: SimpleNamespace) -> None:
         lock_output_dir(cfg.OUTPUT_DIR, same_run_wait_s=0).close()
     if cfg.RESUME and processes.restart_count() == 0:
         config.check_resume(_read(cfg.OUTPUT_DIR)["config"], cfg)
+    resumed, earlier = cfg.RESUME or processes.restart_count() > 0, _checkpoint_stamp(cfg.OUTPUT_DIR)
+    # the launcher's line after a rank fails: a checkpoint this run has not replaced is an earlier run's
+    processes.tell_kept_files(
+        lambda: _resume_hint(cfg.OUTPUT_DIR, resumed or _checkpoint_stamp(cfg.OUTPUT_DIR) != earlier)
+    )
 
 
 @contextmanager
@@ -91,7 +96,7 @@ def start(
     """Rank 0 holds OUTPUT_DIR's lock for the whole run (another run's lock stops every rank). A resumed run's
     model and optimizer get the checkpoint's state; yields the rows of the epochs already done ([] for a new
     run). `data`: what identifies the data the run trains on; a checkpoint of other data is refused. A stop
-    or failure learns what can be resumed."""
+    or failure ends with a line naming the epoch whose files are kept."""
     lock = all_ranks_try(lambda: lock_output_dir(cfg.OUTPUT_DIR) if dist_info.is_main else None)
     try:
         checkpoint, source = _newest_checkpoint(cfg, dist_info)
@@ -105,13 +110,12 @@ def start(
             _check_same_network(checkpoint["model"], model.state_dict(), cfg.OUTPUT_DIR)
         if dist_info.is_main:
             _prepare_output_dir(cfg, checkpoint, source)
+            processes.tell_kept_files(lambda: _resume_hint(cfg.OUTPUT_DIR))  # every file here is this run's now
         try:
             yield _restore(checkpoint, model, optimizer) if checkpoint else []
-        except BaseException as error:
-            if dist_info.is_main:
-                outputs.finish_writers()  # a stop signal may have cut train()'s close() off: the files first
-                error.resume_hint = _resume_hint(cfg.OUTPUT_DIR)  # type: ignore[attr-defined]
-            raise
+        finally:
+            if dist_info.is_main:  # a stop signal may have cut train()'s close() off: the files before the line
+                outputs.finish_writers()  # that names their epoch (processes.report)
     finally:
         if lock is not None:
             lock.close()  # releases it
@@ -208,9 +212,10 @@ def remove_temporaries(output_dir: str) -> None:
             os.remove(os.path.join(output_dir, name))
 
 
-def _resume_hint(output_dir: str) -> str:
-    """What a stopped run leaves to continue from (rank 0, once its files are finished)."""
-    epoch = outputs.checkpoint_epoch(output_dir)
+def _resume_hint(output_dir: str, ours: bool = True) -> str:
+    """What a stopped or failed run leaves to continue from, once its files are finished. `ours`: the
+    checkpoint there is this run's (not an earlier run's that a new run had yet to move aside)."""
+    epoch = outputs.checkpoint_epoch(output_dir) if ours else 0
     if not epoch:
         return "no epoch had finished, so there is nothing to resume; start the run again"
     if under_torchrun():
@@ -219,6 +224,15 @@ def _resume_hint(output_dir: str) -> str:
             f"them by itself, a new torchrun command with --resume True"
         )
     return f"the files in {output_dir} are from epoch {epoch}: continue with --resume True"
+
+
+def _checkpoint_stamp(output_dir: str) -> tuple[int, int] | None:
+    """Which file the checkpoint is (None: there is none): every write replaces it with a new file."""
+    try:
+        stat = os.stat(os.path.join(output_dir, outputs.CHECKPOINT_NAME))
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def move_aside(output_dir: str) -> str | None:

@@ -30,7 +30,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -253,20 +253,20 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
     """One epoch of training steps. Returns the all-ranks sums [loss x images, correct, images], this rank's
     seconds of training (steps only) and the last step's learning rate."""
     cfg, dist_info, steps = run.cfg, run.dist_info, run.steps_per_epoch
-    progress = outputs.Progress(dist_info.is_main, cfg.PROGRESS_EVERY, epoch, cfg.EPOCHS, steps, dist_info.world_size)
     sums = torch.zeros(3, device=dist_info.device)  # on the device: no host sync per step
     run.ddp_model.train()
     distribute_tools.synchronize(dist_info.device)
     started, lr, loss_fn = time.perf_counter(), 0.0, loss_function(cfg)
     # DDP: this rank's shard of the epoch (every rank draws the same permutation and takes its own part)
     batches = run.train_data.train_batches(cfg.BATCH_SIZE, dist_info.world_size, dist_info.rank, cfg.SEED, epoch)
-    for step, (x, y) in enumerate(batches):
-        lr = lr_at((epoch - 1) * steps + step, cfg.EPOCHS * steps, peak_lr(cfg), cfg.SCHEDULE, cfg.WARMUP)
-        train_step(run, x, y, lr, loss_fn, sums)
-        progress.update(step, sums)
+    bar = outputs.Progress(dist_info.is_main, cfg.PROGRESS_EVERY, epoch, cfg.EPOCHS, steps, dist_info.world_size)
+    with closing(bar):  # closed however the epoch ends: a line that ends the run starts on a clean line
+        for step, (x, y) in enumerate(batches):
+            lr = lr_at((epoch - 1) * steps + step, cfg.EPOCHS * steps, peak_lr(cfg), cfg.SCHEDULE, cfg.WARMUP)
+            train_step(run, x, y, lr, loss_fn, sums)
+            bar.update(step, sums)
     distribute_tools.synchronize(dist_info.device)
     seconds = time.perf_counter() - started
-    progress.close()
     dist.all_reduce(sums)  # DDP: the epoch's sums over all ranks, once
     loss_sum, correct, images = sums.tolist()
     if not math.isfinite(loss_sum):  # every rank sees the same sums: all stop, the last good checkpoint stays
@@ -331,7 +331,7 @@ def main(argv: list[str]) -> int:
         world_size = check_before_start(cfg)
         return distribute_tools.run_distribute(main_worker, world_size, cfg, launched_at)  # DDP: a process per rank
     except UserError as error:
-        return processes.refuse_to_start(error)
+        return processes.report(error, rank=0)  # one line (once per machine), exit 2
 
 
 def check_before_start(cfg: SimpleNamespace) -> int:

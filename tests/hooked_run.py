@@ -8,6 +8,7 @@ run it starts (they act only where the run's environment asks, and ranks forked 
     TEST_ROW_KEY=name                     each row gets name = the epoch / 2 as a numpy number
     TEST_NEW_COLUMN=name                  outputs.COLUMNS gets a column of that name (CSV only)
     TEST_UNUSED_LAYER=1                   make_model's network gets a layer that its forward never uses
+    TEST_RANK_1_BUG=1                     rank 1 raises RuntimeError as it loads the data, before training
 """
 
 import errno
@@ -61,5 +62,16 @@ def install_hooks() -> None:
             return model
 
         train_distribute.make_model = with_unused_layer
+    if "TEST_RANK_1_BUG" in os.environ:
+        import data
+
+        load = data.load
+
+        def buggy_load(cfg, dist_info):
+            if dist_info.rank == 1:
+                raise RuntimeError("a bug in rank 1")
+            return load(cfg, dist_info)
+
+        data.load = buggy_load
     if "TEST_NEW_COLUMN" in os.environ:
         outputs.COLUMNS[os.environ["TEST_NEW_COLUMN"]] = ("a column a test added", None)

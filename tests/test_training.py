@@ -1,15 +1,19 @@
 """End to end: the training script with real processes (2 gloo ranks on the CPU) on tiny generated data."""
 
 import contextlib
+import fcntl
 import json
 import math
 import os
 import pty
+import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import time
 from pathlib import Path
 
@@ -284,27 +288,40 @@ def test_world_size_1_follows_the_same_lr_shows_progress_and_moves_old_results_a
     output = run_on_terminal(*TINY, "--world_size=1", "--epochs=5", "--progress_every=2", f"--output_dir={folder}")
     single = pd.read_csv(folder / "pytorch_res.csv")
     assert single["lr"].tolist() == pytest.approx(pd.read_csv(out / "pytorch_res.csv")["lr"].tolist(), rel=1e-12)
-    assert "\r" in output and "epoch 1/5" in output and "step" in output and "img/s" in output and "loss " in output
+    assert "epoch 1/5:" in output and "step/s" in output and "img/s]" in output  # the bar, with its loss and speed
     previous = list(folder.glob("previous-*"))
     assert len(previous) == 1 and (previous[0] / "pytorch_res.csv").read_text() == reference_csv
     assert (previous[0] / "checkpoint.pt").exists() and (previous[0] / "pytorch_res.png").exists()
     assert f"moved the earlier run's results in {folder} to {previous[0]}" in output
 
 
-def run_on_terminal(*args: str) -> str:
-    """Runs the script with stdout on a pseudo-terminal, as in an interactive shell."""
+def run_on_terminal(*args: str, interrupt_at: str = "", exit_code: int = 0) -> str:
+    """Runs the script with stdout on a pseudo-terminal, as in an interactive shell; with `interrupt_at`, Ctrl-C
+    as soon as that text shows."""
     import select
 
     leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns: room for a bar
     process = launch(*args, output=os.ttyname(follower))  # the test holds the terminal open until the run ends
     chunks = []
     while process.poll() is None or select.select([leader], [], [], 0)[0]:
         if select.select([leader], [], [], 0.1)[0]:
             chunks.append(os.read(leader, 65536))
+        if interrupt_at and interrupt_at in b"".join(chunks).decode(errors="replace"):
+            os.killpg(process.pid, signal.SIGINT)  # as the terminal sends it: to every process of the run
+            interrupt_at = ""
     os.close(follower)
     os.close(leader)
-    assert process.wait(timeout=HANG_TIMEOUT) == 0, b"".join(chunks).decode(errors="replace")
+    assert process.wait(timeout=HANG_TIMEOUT) == exit_code, b"".join(chunks).decode(errors="replace")
     return b"".join(chunks).decode(errors="replace")
+
+
+def test_ctrl_c_on_a_terminal_mid_epoch_clears_the_progress_bar_before_the_last_line(tmp_path):
+    args = ["--progress_every=1", f"--output_dir={tmp_path}", "--epochs=50"]
+    output = run_on_terminal(*TINY, *args, interrupt_at="epoch 2/50:", exit_code=130)  # the bar of epoch 2
+    bar_left, _, line = output.rpartition("interrupted: ")
+    assert line.startswith(f"the files in {tmp_path} are from epoch ") and "step" in bar_left
+    assert re.split(r"[\r\n]", bar_left)[-1].strip() == "", "the line starts after a half-drawn bar"
 
 
 def resume_and_check(folder: Path, reference: Path, args: list) -> subprocess.CompletedProcess:
@@ -602,11 +619,35 @@ def stop_run(process, folder: Path, rows: int, stop, limit: float) -> str:
     return err
 
 
-def test_a_killed_rank_ends_the_run_and_leaves_nothing_behind(tmp_path):
-    process = launch(*TINY, "--epochs=500", f"--output_dir={tmp_path / 'out'}")
-    err = stop_run(process, tmp_path / "out", 1, lambda: os.kill(rank_processes(process.pid)[1], signal.SIGKILL), 60)
-    assert process.returncode != 0
-    assert "rank 1 was killed by SIGKILL" in err and "Traceback" not in err
+def test_a_killed_rank_ends_the_run_naming_the_kept_epoch_and_leaves_nothing_behind(tmp_path):
+    folder = tmp_path / "out"
+    process = launch(*TINY, "--epochs=500", f"--output_dir={folder}")
+    err = stop_run(process, folder, 1, lambda: os.kill(rank_processes(process.pid)[1], signal.SIGKILL), 60)
+    kept = torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"]
+    assert process.returncode == 1 and "Traceback" not in err and kept == csv_rows(folder) >= 1
+    assert err.strip().splitlines()[-1] == (
+        "error: rank 1 was killed by SIGKILL (the out-of-memory killer sends SIGKILL: see `dmesg`); stopped the "
+        f"other ranks; the files in {folder} are from epoch {kept}: continue with --resume True"
+    )
+
+
+def test_a_rank_that_fails_before_training_says_which_run_the_files_are_from(reference_run, tmp_path):
+    """The launcher's line after a rank's bug: an earlier run's files that a new run had yet to move aside are no
+    epoch of it; a resumed run's are."""
+    folder = tmp_path / "out"
+    torch.save(copy_stopped_after(reference_run[0], folder, epoch=3), folder / "checkpoint.pt")
+    results = lambda: {k: v for k, v in snapshot(folder).items() if k != ".lock"}  # noqa: E731
+    before = results()
+    for resumes, kept in (("False", "no epoch had finished, so there is nothing to resume; start the run again"),
+                         ("True", f"the files in {folder} are from epoch 3: continue with --resume True")):  # fmt: skip
+        result = run_script(*TINY, "--epochs=5", f"--output_dir={folder}", f"--resume={resumes}",
+                            env=clean_env(TEST_RANK_1_BUG="1"))  # fmt: skip
+        assert result.returncode == 1 and "[rank 1] RuntimeError: a bug in rank 1" in result.stderr
+        assert (
+            result.stderr.strip().splitlines()[-1]
+            == f"error: rank 1 exited with code 1; stopped the other ranks; {kept}"
+        )
+        assert results() == before  # the lock file aside
 
 
 def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):

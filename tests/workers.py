@@ -193,7 +193,7 @@ def torchrun_that_drops_a_sigterm(out: str) -> int:
     worker = os.fork()
     if worker == 0:
         os.environ.update(TORCHELASTIC_RUN_ID="test", TORCHELASTIC_MAX_RESTARTS="2", LOCAL_RANK="0")
-        os._exit(processes.refuse_to_start(processes.UserError("a mistake")))
+        os._exit(processes.report(processes.UserError("a mistake"), rank=0))
     deadline = time.monotonic() + 30
     while len(received) < 2 and time.monotonic() < deadline:  # the first is "lost": ignored here
         time.sleep(0.01)
