@@ -61,6 +61,7 @@ DESCRIPTION = (
 )
 DEFAULTS: dict[str, Any] = {}  # every setting's value in the block, as read_config last found it
 KIND_NAMES = {int: "an integer", float: "a number", bool: "True or False", str: "text"}
+METAVARS = {int: "N", float: "X", bool: "BOOL", str: "TEXT"}  # --help's placeholder for a value
 TRUE, FALSE = ("true", "1"), ("false", "0")
 
 
@@ -111,19 +112,19 @@ def read_settings(script: str) -> list[Setting]:
     for node in body:
         if node in annotated:
             setting = _setting(node, comments, lines, settings[-1].group if settings else ("settings", ""))  # type: ignore[arg-type]
-            twice = next((s for s in settings if s.name == setting.name), None)
-            if twice:
+            if any(s.name == setting.name for s in settings):
                 raise UserError(
                     f"{setting.name} is written twice in the settings block of {script} (line "
                     f"{node.lineno} and an earlier one); keep one"
                 )
             settings.append(setting)
-        elif annotated and annotated[0].lineno < node.lineno < annotated[-1].lineno and _assigns_upper_name(node):
-            name = node.targets[0].id  # type: ignore[attr-defined]
-            raise UserError(
-                f"{name} at line {node.lineno} of {script} has lost its type; write it as {name}: int = ... "
-                f"(or float, bool, str) like the settings around it"
-            )
+        elif annotated and annotated[0].lineno < node.lineno < annotated[-1].lineno and isinstance(node, ast.Assign):
+            name = getattr(node.targets[0], "id", "")  # a setting written without its type, say `EPOCHS = 5`
+            if name.isupper():
+                raise UserError(
+                    f"{name} at line {node.lineno} of {script} has lost its type; write it as {name}: int = ... "
+                    f"(or float, bool, str) like the settings around it"
+                )
     return settings
 
 
@@ -168,24 +169,12 @@ def _comments_by_line(source: str) -> dict[int, str]:
     return found
 
 
-def _assigns_upper_name(node: ast.stmt) -> bool:
-    targets = getattr(node, "targets", [])
-    return (
-        isinstance(node, ast.Assign)
-        and len(targets) == 1
-        and isinstance(targets[0], ast.Name)
-        and targets[0].id.isupper()
-    )
-
-
 # ----------------------------------------------------------------------------- types, values, ranges
 
 
 def _check_type(setting: Setting, value: Any, where: str) -> None:
-    kind = setting.kind
-    fits = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        fits = True
+    kind = setting.kind  # an int is a float too; True is no number
+    fits = isinstance(value, (int, float) if kind is float else kind) and (kind is bool or not isinstance(value, bool))
     if not fits:
         example = repr(setting.default) if isinstance(setting.default, kind) else _EXAMPLES[kind]
         raise UserError(f"{where} is not {KIND_NAMES[kind]}; write e.g. {setting.name}: {kind.__name__} = {example}")
@@ -275,9 +264,7 @@ def _parser(settings: list[Setting]) -> argparse.ArgumentParser:
     for s in settings:
         if s.group not in groups:
             groups[s.group] = parser.add_argument_group(s.group[0], s.group[1] or None)
-        metavar = (
-            "{" + ",".join(s.choices) + "}" if s.choices else {int: "N", float: "X", bool: "BOOL"}.get(s.kind, "TEXT")
-        )
+        metavar = "{" + ",".join(s.choices) + "}" if s.choices else METAVARS[s.kind]
         options: dict[str, Any] = {"nargs": "?", "const": "True"} if s.kind is bool else {}
         help_text = f"{s.help} (default: {s.default})".replace("%", "%%")
         groups[s.group].add_argument(

@@ -8,6 +8,7 @@ permutation, cut into batches by indexing, cropped, flipped and normalised there
 """
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable, Iterator
@@ -25,6 +26,8 @@ from distribute_tools import DistInfo, all_ranks_try, under_torchrun
 from processes import UserError, first_line
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's published, 0..1 units
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]  # (images, labels) on the device
+SYNTHETIC_CLASSES = 10
 CIFAR_ARCHIVE, CIFAR_SIZES = "cifar-10-python.tar.gz", (50_000, 10_000, 10)  # train images, test images, classes
 
 
@@ -72,7 +75,7 @@ def record(train: ImageSet, test: ImageSet) -> dict[str, Any]:
 def sizes(cfg: SimpleNamespace) -> tuple[int, int, int]:
     """Training images, test images and classes, without reading any image."""
     if cfg.DATASET == "synthetic":
-        return cfg.SYNTHETIC_SIZE, max(cfg.SYNTHETIC_SIZE // 5, 1), 10
+        return cfg.SYNTHETIC_SIZE, max(cfg.SYNTHETIC_SIZE // 5, 1), SYNTHETIC_CLASSES
     if cfg.DATASET == "cifar10":
         if cfg.IMAGE_SIZE != 32:
             raise UserError(f"IMAGE_SIZE={cfg.IMAGE_SIZE} but CIFAR-10's images are 32x32; use --image_size 32")
@@ -199,8 +202,6 @@ def read(cfg: SimpleNamespace) -> tuple[ImageSet, ImageSet]:
 def read_cifar10(data_dir: str, train: bool) -> ImageSet:
     """CIFAR-10's python batches, read directly (torchvision, seconds to import in every rank, is only needed
     to download them)."""
-    import pickle
-
     folder = os.path.join(data_dir, "cifar-10-batches-py")
     names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
     try:
@@ -220,20 +221,18 @@ def read_cifar10(data_dir: str, train: bool) -> ImageSet:
     return ImageSet(pixels.contiguous(), labels, list(classes))
 
 
-def make_synthetic(
-    size: int, seed: int, split: int, num_classes: int = 10, image_size: int = 32, like: ImageSet | None = None
-) -> ImageSet:
+def make_synthetic(size: int, seed: int, split: int, image_size: int = 32, like: ImageSet | None = None) -> ImageSet:
     """Images that a network can learn: each class has its own smooth colour pattern (smooth, so that crops and
     flips keep it recognisable), and every image adds strong noise. `like`: the training set, whose statistics
     the test set is normalised with."""
-    patterns = torch.rand(num_classes, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
+    patterns = torch.rand(SYNTHETIC_CLASSES, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
     patterns = F.interpolate(patterns, size=image_size, mode="bilinear", align_corners=False)
     g = torch.Generator().manual_seed(seed * 1_000 + 1 + split)  # train and test: same classes, other images
-    labels = torch.randint(num_classes, (size,), generator=g)
+    labels = torch.randint(SYNTHETIC_CLASSES, (size,), generator=g)
     noise = torch.randn(size, 3, image_size, image_size, generator=g)
     images = (255 * (0.25 + 0.5 * patterns[labels]) + 60 * noise).clamp(0, 255).to(torch.uint8)
     mean, std = (like.mean, like.std) if like else image_folder.channel_statistics(images)
-    return ImageSet(images, labels, [f"class_{c}" for c in range(num_classes)], mean, std)
+    return ImageSet(images, labels, [f"class_{c}" for c in range(SYNTHETIC_CLASSES)], mean, std)
 
 
 # ----------------------------------------------------------------------------- sharding and augmentation
@@ -300,9 +299,7 @@ class DeviceLoader:
         """Full batches only: a last partial batch is dropped on every rank, every epoch."""
         return len(self) // global_batch
 
-    def train_batches(
-        self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def train_batches(self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int) -> Batches:
         local_batch = global_batch // world_size
         indices = shard_indices(len(self), world_size, rank, seed, epoch).to(self.device)
         generator = torch.Generator(device=self.device)
@@ -314,9 +311,7 @@ class DeviceLoader:
                 pixels = crop_and_flip(pixels, self.crop_pad, generator)
             yield self.normalise(pixels), self.labels[batch]
 
-    def eval_batches(
-        self, world_size: int, rank: int, batch_size: int = 1000
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_batches(self, world_size: int, rank: int, batch_size: int = 1000) -> Batches:
         """This rank's contiguous part of the split: over all ranks every image exactly once."""
         part = torch.tensor_split(torch.arange(len(self), device=self.device), world_size)[rank]
         for batch in part.split(batch_size):

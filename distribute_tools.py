@@ -163,8 +163,7 @@ def resolve_world_size(requested: int) -> int:
         if requested not in (0, started) and os.environ["RANK"] == "0":
             print(f"warning: WORLD_SIZE={requested} is ignored under torchrun, which started {started} ranks")
         return started
-    gpus = gpu_count()
-    if gpus == 0:
+    if (gpus := gpu_count()) == 0:
         processes.check_gpus_usable()
     if requested < 0:
         raise UserError(f"WORLD_SIZE={requested} is negative; use 0 (every GPU, or 2 CPU processes) or a count")
@@ -194,10 +193,9 @@ def bf16_is_fast(device: torch.device) -> bool:
         return torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and newer; older GPUs emulate bf16
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
+            return any(flag in f.read() for flag in ("avx512_bf16", "amx_bf16"))
+    except OSError:  # not Linux
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def synchronize(device: torch.device) -> None:
@@ -207,10 +205,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    """The cores this process may run on (all of them where the system cannot say, as off Linux)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 # ----------------------------------------------------------------------------- collectives: every rank calls them
@@ -226,15 +222,6 @@ def all_ranks_meet() -> torch.Tensor:
     return token
 
 
-def all_ranks_raise_if_any(error: str | None) -> None:
-    """Every rank passes its own error (or None); if any rank has one, every rank raises it."""
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise UserError(first)
-
-
 def all_ranks_try(action: Callable[[], T] | None) -> T | None:
     """The ranks given an `action` run it (rank 0 alone, say); if it raises a UserError on any of them,
     every rank raises it, so that all stop together. Returns this rank's result."""
@@ -244,5 +231,9 @@ def all_ranks_try(action: Callable[[], T] | None) -> T | None:
             result = action()
         except UserError as e:
             error = str(e)
-    all_ranks_raise_if_any(error)
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # every rank's error (or None): the first one stops them all
+    first = next((e for e in errors if e), None)
+    if first:
+        raise UserError(first)
     return result

@@ -31,14 +31,11 @@ def decoded(root: str, size: int) -> dict[str, Any]:
 
 def check_same_classes(data_dir: str, train: list[str], test: list[str]) -> None:
     if train != test:
-        only_train, only_test = sorted(set(train) - set(test)), sorted(set(test) - set(train))
-        parts = [
-            f"only in train/: {', '.join(only_train)}" * bool(only_train),
-            f"only in test/: {', '.join(only_test)}" * bool(only_test),
-        ]
+        only = {"train": sorted(set(train) - set(test)), "test": sorted(set(test) - set(train))}
+        parts = "; ".join(f"only in {split}/: {', '.join(names)}" for split, names in only.items() if names)
         raise UserError(
-            f"{data_dir}/train and {data_dir}/test hold different class folders ({'; '.join(p for p in parts if p)}); "
-            f"give both the same class folders"
+            f"{data_dir}/train and {data_dir}/test hold different class folders ({parts}); give both the same "
+            f"class folders"
         )
 
 
@@ -47,17 +44,11 @@ def list_images(root: str) -> tuple[list[str], list[tuple[str, int]]]:
     label) of every image file. Raises UserError for a missing folder, an empty class or a broken link."""
     parent = os.path.dirname(root)
     if not os.path.isdir(root):
-        if os.path.isfile(parent):
-            raise UserError(
-                f"DATA_DIR {parent} is a file, not a folder; point --data_dir at a folder with train/ and test/"
-            )
-        if not os.path.isdir(parent):
-            raise UserError(
-                f"DATA_DIR {parent} does not exist; point --data_dir at a folder with train/ and test/ inside"
-            )
+        problem = "is a file, not a folder" if os.path.isfile(parent) else "does not exist"
+        problem = f"has no {os.path.basename(root)}/ folder" if os.path.isdir(parent) else problem
         raise UserError(
-            f"DATA_DIR {parent} has no {os.path.basename(root)}/ folder; DATASET=imagefolder reads "
-            f"{parent}/train/<class>/<image> and {parent}/test/<class>/<image>"
+            f"DATA_DIR {parent} {problem}; point --data_dir at a folder with {parent}/train/<class>/<image> and "
+            f"test/<class>/<image> inside"
         )
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
@@ -91,10 +82,8 @@ def ensure_decoded(root: str, size: int) -> str:
             images, resized = decode_images([p for p, _ in samples], root, size)
             mean, std = channel_statistics(images)
             labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
-            _write_cache(
-                path,
-                {"images": images, "labels": labels, "classes": classes, "resized": resized, "mean": mean, "std": std},
-            )
+            fields = {"images": images, "labels": labels, "classes": classes, "resized": resized}
+            _write_cache(path, {**fields, "mean": mean, "std": std})
     return path
 
 

@@ -23,8 +23,7 @@ def orthogonalise(matrix: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
     a, b, c = NEWTON_SCHULZ
     x = matrix.to(dtype)
     tall = x.size(0) > x.size(1)
-    if tall:  # iterate on the smaller Gram matrix
-        x = x.T
+    x = x.T if tall else x  # iterate on the smaller Gram matrix
     x = x / (x.norm() + 1e-7)
     for _ in range(STEPS):  # x <- a x + (b G + c G G) x with G = x x^T, in three products
         gram = x @ x.T
@@ -39,9 +38,8 @@ class MuonSGD(torch.optim.Optimizer):
     than fp32 for width 64's filters on one core of a CPU with native bf16)."""
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float, muon_scale: float, bf16: bool) -> None:
-        super().__init__(
-            params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "muon_scale": muon_scale}
-        )
+        defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "muon_scale": muon_scale}
+        super().__init__(params, defaults)
         self.dtype = torch.bfloat16 if bf16 else torch.float32
 
     @torch.no_grad()
@@ -55,9 +53,8 @@ class MuonSGD(torch.optim.Optimizer):
                 torch._foreach_add_([p for p, _ in rest], [u for _, u in rest], alpha=-group["lr"])
             lr = group["lr"] * group["muon_scale"]
             filters += [(p, u, lr) for p, u in zip(params, updates, strict=True) if p.ndim == 4]
-        for (p, _, lr), update in zip(
-            filters, orthogonalise_shared([u for _, u, _ in filters], self.dtype), strict=True
-        ):
+        orthogonalised = orthogonalise_shared([u for _, u, _ in filters], self.dtype)
+        for (p, _, lr), update in zip(filters, orthogonalised, strict=True):
             shape = max(1.0, len(p) / p[0].numel()) ** 0.5  # as a square matrix's steps, for tall ones
             p.add_(update.view_as(p), alpha=-lr * shape)
 
@@ -87,12 +84,9 @@ def orthogonalise_shared(updates: list[torch.Tensor], dtype: torch.dtype) -> lis
     for i in sorted(range(len(updates)), key=lambda i: -costs[i]):
         owner[i] = load.index(min(load))
         load[owner[i]] += costs[i]
-    results = [
-        orthogonalise(u.reshape(len(u), -1), dtype if shapes[i][0] >= BF16_FROM else torch.float32)
-        if owner[i] == rank
-        else None
-        for i, u in enumerate(updates)
-    ]
+    results: list = [None] * len(updates)
+    for i in [i for i in owner if owner[i] == rank]:  # this rank's share
+        results[i] = orthogonalise(updates[i].flatten(1), dtype if shapes[i][0] >= BF16_FROM else torch.float32)
     for source in range(world_size if world_size > 1 else 0):  # the same order on every rank
         banks = [i for i in range(len(updates)) if owner[i] == source]
         if not banks:  # more ranks than filter banks

@@ -173,8 +173,6 @@ def all_ranks_peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         mine = torch.cuda.max_memory_allocated(device) / 2**20
     else:
-        import resource
-
         mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     peak = torch.tensor([mine], device=device)
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
@@ -274,19 +272,18 @@ def describe(run: Any, peak_lr: float) -> str:
     resized = f", {run.data['resized']:,} resized to {size}x{size}" if run.data["resized"] else ""
     width = f"width={cfg.WIDTH}, " if hasattr(cfg, "WIDTH") else ""  # settings of another network may differ
     blocks = "" if getattr(cfg, "RELU_AFTER_SUM", True) else ", seed blocks"
-    line = " | ".join(
-        [
-            f"{type(run.model).__name__}({width}{parameters:,} parameters{blocks}) on {cfg.DATASET} "
-            f"({len(run.train_data):,} train, {len(run.test_data):,} test images{resized})",
-            f"{info.world_size} rank(s) on {info.device.type} ({info.backend})",
-            f"global batch {cfg.BATCH_SIZE} ({cfg.BATCH_SIZE // info.world_size} per rank), "
-            f"{run.steps_per_epoch} steps per epoch, {cfg.EPOCHS} epochs",
-            f"{cfg.OPTIMIZER} peak lr {peak_lr:.4g}",
-            "bf16 autocast" if run.bf16 else "fp32",
-            *extras,
-            f"start-up {time.time() - run.launched_at:.1f} s",
-        ]
-    )
+    parts = [
+        f"{type(run.model).__name__}({width}{parameters:,} parameters{blocks}) on {cfg.DATASET} "
+        f"({len(run.train_data):,} train, {len(run.test_data):,} test images{resized})",
+        f"{info.world_size} rank(s) on {info.device.type} ({info.backend})",
+        f"global batch {cfg.BATCH_SIZE} ({cfg.BATCH_SIZE // info.world_size} per rank), "
+        f"{run.steps_per_epoch} steps per epoch, {cfg.EPOCHS} epochs",
+        f"{cfg.OPTIMIZER} peak lr {peak_lr:.4g}",
+        "bf16 autocast" if run.bf16 else "fp32",
+        *extras,
+        f"start-up {time.time() - run.launched_at:.1f} s",
+    ]
+    line = " | ".join(parts)
     if run.steps_per_epoch < FEW_STEPS:
         line += (
             f"\nwarning: an epoch has only {run.steps_per_epoch} steps ({len(run.train_data):,} images, global "

@@ -9,6 +9,8 @@ A reader adapting the template can skip this file. What it guarantees:
     ports          a free port unless MASTER_PORT is set; a MASTER_PORT that cannot work is one line
 """
 
+import contextlib
+import ctypes
 import datetime
 import json
 import multiprocessing
@@ -37,6 +39,7 @@ GRACE_SECONDS = 30  # how long a rank may take to finish its files once asked to
 # spawn: a fresh interpreter per rank, what CUDA needs. The tests fork ranks from a process that has
 # imported torch once (tests/server.py): the same code, without seconds of imports per rank.
 START_METHOD = "spawn"
+NOTHING_CHANGED = "it stopped before training began; nothing in OUTPUT_DIR changed"  # a stop before resume.start
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo, when a peer is gone
 
 
@@ -72,11 +75,8 @@ def launch(worker: Callable[..., None], world_size: int, args: tuple) -> int:
             codes, stop = run_ranks(worker, world_size, args, address, users_port or free_port())
             if EXIT_PORT_TAKEN not in codes.values():
                 return _explain(codes, stop)
-        if users_port:
-            print_error(f"error: MASTER_PORT={users_port} was taken by another program; unset MASTER_PORT")
-        else:
-            print_error("error: another program took the free port three times; try again")
-        return EXIT_USER_ERROR
+        taken = f"MASTER_PORT={users_port} was taken by another program; unset MASTER_PORT" if users_port else ""
+        return report(UserError(taken or "another program took the free port three times; try again"), rank=0)
     finally:
         ignore_stop_signals()
 
@@ -140,9 +140,7 @@ def _supervise(ranks: list, received: list[int]) -> tuple[dict[int, int], int]:
     forwarded, deadline = 0, float("inf")
     while len(codes) < len(ranks):
         connection.wait([p.sentinel for p in ranks if p.exitcode is None], timeout=0.1)
-        for rank, process in enumerate(ranks):
-            if rank not in codes and process.exitcode is not None:
-                codes[rank] = process.exitcode
+        codes.update({rank: p.exitcode for rank, p in enumerate(ranks) if rank not in codes and p.exitcode is not None})
         failed = [code for code in codes.values() if code not in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED)]
         if received and not forwarded:
             forwarded, deadline = received[0], time.monotonic() + GRACE_SECONDS
@@ -158,10 +156,8 @@ def _supervise(ranks: list, received: list[int]) -> tuple[dict[int, int], int]:
 def _signal_alive(ranks: list, signum: int) -> None:
     for process in ranks:
         if process.exitcode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it has just ended
                 os.kill(process.pid, signum)
-            except ProcessLookupError:
-                pass
 
 
 def _explain(codes: dict[int, int], forwarded: int) -> int:
@@ -173,13 +169,10 @@ def _explain(codes: dict[int, int], forwarded: int) -> int:
     rank, code = next((rank, code) for rank, code in codes.items() if code != 0)
     if code in (EXIT_USER_ERROR, EXIT_PORT_TAKEN, EXIT_PREEMPTED, EXIT_INTERRUPTED):
         return code
+    how = f"exited with code {code}" if code > 0 else f"was killed by {signal.Signals(-code).name}"
+    hint = " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if code == -signal.SIGKILL else ""
     kept = f"; {_kept_files[0]()}" if _kept_files else ""
-    if code < 0:
-        name = signal.Signals(-code).name
-        hint = " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if name == "SIGKILL" else ""
-        print_error(f"error: rank {rank} was killed by {name}{hint}; stopped the other ranks{kept}")
-    else:
-        print_error(f"error: rank {rank} exited with code {code}; stopped the other ranks{kept}")
+    print_error(f"error: rank {rank} {how}{hint}; stopped the other ranks{kept}")
     return 1
 
 
@@ -220,9 +213,7 @@ def report(error: BaseException, rank: int) -> int:
     error, stop, tag = as_user_error(error), _stopped_by(error), "" if rank == 0 else f"[rank {rank}] "
     if stop:
         if rank == 0:
-            kept = (
-                _kept_files[0]() if _kept_files else "it stopped before training began; nothing in OUTPUT_DIR changed"
-            )
+            kept = _kept_files[0]() if _kept_files else NOTHING_CHANGED
             print_error(f"{'interrupted' if stop == signal.SIGINT else f'stopped by {stop.name}'}: {kept}")
         return EXIT_INTERRUPTED if stop == signal.SIGINT else EXIT_PREEMPTED
     if isinstance(error, Cancelled):  # another rank failed first: the launcher's line speaks for the run
@@ -319,8 +310,6 @@ def die_with_parent(parent_pid: int | None) -> None:
     """A rank must not outlive its launcher or torchrun (`kill -9` of it), holding the GPU and the
     OUTPUT_DIR lock: Linux sends it SIGKILL when the parent dies. A parent already gone: leave now."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(EXIT_PREEMPTED)  # nothing of ours ran yet: no file to finish

@@ -13,6 +13,7 @@ its own run's newest checkpoint by itself. OUTPUT_DIR may be a local disk: each 
 folder holds, and global rank 0 (wherever it now is) receives the newest and writes from then on.
 """
 
+import glob
 import os
 import shutil
 import socket
@@ -172,19 +173,17 @@ def _read(output_dir: str, strict: bool = True) -> dict[str, Any] | None:
     """The checkpoint in output_dir, its tensors read when first used. strict: a missing or unreadable one is
     a UserError; otherwise None."""
     path = os.path.join(output_dir, outputs.CHECKPOINT_NAME)
-    if not os.path.isfile(path):
-        if strict:
-            raise UserError(_no_checkpoint_message(output_dir))
-        return None
     try:
         return outputs.load_checkpoint(output_dir, lazily=True)
     except Exception as e:
-        if strict:
-            raise UserError(
-                f"cannot read {path} ({type(e).__name__}: {processes.first_line(e, 80)}); it stays as it is: put back "
-                f"a good copy to continue, or move it away to start the run over"
-            ) from None
-        return None
+        if not strict:
+            return None
+        if not os.path.isfile(path):
+            raise UserError(_no_checkpoint_message(output_dir)) from None
+        raise UserError(
+            f"cannot read {path} ({type(e).__name__}: {processes.first_line(e, 80)}); it stays as it is: put back "
+            f"a good copy to continue, or move it away to start the run over"
+        ) from None
 
 
 def _prepare_output_dir(cfg: SimpleNamespace, checkpoint: dict[str, Any] | None, source: int) -> None:
@@ -228,11 +227,9 @@ def _resume_hint(output_dir: str, ours: bool = True) -> str:
 
 def _checkpoint_stamp(output_dir: str) -> tuple[int, int] | None:
     """Which file the checkpoint is (None: there is none): every write replaces it with a new file."""
-    try:
-        stat = os.stat(os.path.join(output_dir, outputs.CHECKPOINT_NAME))
-    except OSError:
-        return None
-    return stat.st_ino, stat.st_mtime_ns
+    path = os.path.join(output_dir, outputs.CHECKPOINT_NAME)
+    stat = os.stat(path) if os.path.exists(path) else None
+    return (stat.st_ino, stat.st_mtime_ns) if stat else None
 
 
 def move_aside(output_dir: str) -> str | None:
@@ -253,10 +250,8 @@ def move_aside(output_dir: str) -> str | None:
 
 def _no_checkpoint_message(output_dir: str) -> str:
     """RESUME=True found nothing to resume: say where a later run moved the last checkpoint, if it did."""
-    folders = [os.path.join(output_dir, n) for n in os.listdir(output_dir)] if os.path.isdir(output_dir) else []
-    moved = [f for f in folders if os.path.basename(f).startswith("previous-")]
-    moved = [f for f in moved if os.path.exists(os.path.join(f, outputs.CHECKPOINT_NAME))]
-    latest = max(moved, key=lambda f: os.path.getmtime(os.path.join(f, outputs.CHECKPOINT_NAME)), default=None)
+    moved = glob.glob(os.path.join(glob.escape(output_dir), "previous-*", outputs.CHECKPOINT_NAME))
+    latest = os.path.dirname(max(moved, key=os.path.getmtime)) if moved else None
     hint = f"; a later run moved the last one to {latest}: move its files back into {output_dir} to continue it"
     return (
         f"RESUME=True but there is no {os.path.join(output_dir, outputs.CHECKPOINT_NAME)}{hint if latest else ''}; "
@@ -291,8 +286,7 @@ def lock_output_dir(output_dir: str, same_run_wait_s: float = 60) -> IO[str]:
                 f"{holder.get('host', '?')}, since {holder.get('since', '?')}); wait for it to end or choose another"
             )
         time.sleep(0.5)
-    handle.seek(0)
-    handle.truncate()
+    handle.truncate(0)  # opened to append: the write lands at the new end
     handle.write(
         f"pid={os.getpid()} host={socket.gethostname()} run={ours} since={time.strftime('%Y-%m-%d_%H:%M:%S')}\n"
     )
