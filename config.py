@@ -27,19 +27,9 @@ from processes import UserError
 # Settings that may differ between a run and its resumption: where files are, how the run is launched and on
 # what hardware, how it evaluates or reports. Every other setting shapes the run, so a new setting is checked
 # on resume unless it is added here.
-FREE_ON_RESUME = (
-    "DATA_DIR",
-    "OUTPUT_DIR",
-    "RESUME",
-    "WORLD_SIZE",
-    "AMP",
-    "COMPILE",
-    "SYNC_BN",
-    "ACCUMULATE",
-    "BF16_ALLREDUCE",
-    "TTA",
-    "COLLECTIVE_TIMEOUT",
-    "PROGRESS_EVERY",
+FREE_ON_RESUME = tuple(
+    "DATA_DIR OUTPUT_DIR RESUME WORLD_SIZE AMP COMPILE SYNC_BN ACCUMULATE BF16_ALLREDUCE TTA COLLECTIVE_TIMEOUT "
+    "PROGRESS_EVERY".split()
 )
 # Allowed ranges, (lowest, highest) with None where open; text settings must not be empty.
 LIMITS = {

@@ -84,6 +84,7 @@ def setup(rank: int, world_size: int, timeout_s: float = 600.0) -> DistInfo:
     if store is not None:
         options["store"] = store
     dist.init_process_group(backend, rank=rank, world_size=world_size, **options)
+    all_ranks_meet()  # before a rank acts on a stop signal: none leaves a peer still connecting (gloo logs an error)
     restarted = processes.restart_count() > 0 or attempt > 1
     return DistInfo(rank, local_rank, world_size, local_world_size, device, backend, restarted)
 

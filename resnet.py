@@ -31,8 +31,11 @@ class ResBlock(nn.Module):
         self.bn_2 = nn.BatchNorm2d(ch_out)
         # The seed projects the shortcut only when the channel count changes;
         # block 4 (8w -> 8w, stride 1) keeps an identity shortcut.
-        projection = nn.Sequential(nn.Conv2d(ch_in, ch_out, kernel_size=1, stride=stride), nn.BatchNorm2d(ch_out))
-        self.shortcut = projection if ch_in != ch_out else nn.Identity()
+        self.shortcut: nn.Module = nn.Identity()
+        if ch_in != ch_out:  # built only where it is used: the random stream, and so the weights, stay the seed's
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(ch_in, ch_out, kernel_size=1, stride=stride), nn.BatchNorm2d(ch_out)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         residual = F.relu(self.bn_1(self.conv_1(x)))

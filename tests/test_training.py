@@ -912,8 +912,9 @@ def test_a_stop_signal_under_torchrun_stops_the_job_instead_of_restarting_it(who
     assert code != 0  # torchrun reports the signal it got as a failure of its own
     assert log.count("epoch 1/9") == 1 and "resuming" not in log, "torchrun restarted the workers"
     stopped = "interrupted" if who == "ctrl_c" else "stopped by SIGTERM"
-    assert log.count(f"{stopped}: the files in {folder} are from epoch") == 1, log
     checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
+    kept = f"the files in {folder} are from epoch {checkpoint['epoch']}; a torchrun restart or requeue continues"
+    assert log.count(f"{stopped}: {kept} from them by itself, a new torchrun command with --resume True\n") == 1, log
     assert checkpoint["epoch"] == csv_rows(folder) >= 1 and not list(folder.glob("*.tmp*"))
     assert not left, "workers left behind"
 
