@@ -75,8 +75,9 @@ def launch(worker: Callable[..., None], world_size: int, args: tuple) -> int:
             codes, stop = run_ranks(worker, world_size, args, address, users_port or free_port())
             if EXIT_PORT_TAKEN not in codes.values():
                 return _explain(codes, stop)
-        taken = f"MASTER_PORT={users_port} was taken by another program; unset MASTER_PORT" if users_port else ""
-        return report(UserError(taken or "another program took the free port three times; try again"), rank=0)
+        ours = "another program took the free port three times; try again"
+        theirs = f"MASTER_PORT={users_port} was taken by another program; unset MASTER_PORT"
+        return report(UserError(theirs if users_port else ours), rank=0)
     finally:
         ignore_stop_signals()
 

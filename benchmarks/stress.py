@@ -3,12 +3,16 @@ it exited 0, printed no abort or traceback line, and left a CSV with every epoch
 
     python -m benchmarks.stress                      # 50 spawned runs and 10 torchrun runs
     python -m benchmarks.stress --spawned 20 --torchrun 0
+    python -m benchmarks.stress --spawned 0 --torchrun 0 --ctrl_c_at_start 45   # Ctrl-C as the ranks start
 
-Each run: synthetic data, width 8, 1 epoch, 2 CPU ranks (the shape of run that used to abort at exit).
+Each run: synthetic data, width 8, 1 epoch, 2 CPU ranks (the shape of run that used to abort at exit). A
+--ctrl_c_at_start run gets SIGINT on its whole process group as soon as both ranks exist; it is clean if it
+exits 130 and prints at most one line, `interrupted: ...` (a peer's C++ error line was the failure seen).
 """
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,23 +49,43 @@ def one_run(launcher: str, output_dir: str) -> str:
     return ", ".join(problems)
 
 
+def ctrl_c_at_start(output_dir: str) -> str:
+    """'' for a clean run, else what was wrong with it."""
+    command = [sys.executable, str(ROOT / "train_distribute.py"), "--world_size=2", *SETTINGS]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.Popen(
+        [*command, f"--output_dir={output_dir}"], stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    while len(subprocess.run(["pgrep", "-P", str(run.pid)], capture_output=True).stdout.split()) < 3:
+        time.sleep(0.005)  # the two ranks and multiprocessing's resource tracker
+    os.killpg(run.pid, signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    if run.returncode == 130 and len(lines) <= 1 and all(line.startswith("interrupted: ") for line in lines):
+        return ""
+    return f"exit {run.returncode}, printed: " + " | ".join(lines[:3])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spawned", type=int, default=50, help="runs started by python train_distribute.py")
     parser.add_argument("--torchrun", type=int, default=10, help="runs started by torchrun --standalone")
+    parser.add_argument("--ctrl_c_at_start", type=int, default=0, help="spawned runs stopped as the ranks start")
     args = parser.parse_args()
-    for launcher, count in (("spawned", args.spawned), ("torchrun", args.torchrun)):
+    for launcher, count in (("spawned", args.spawned), ("torchrun", args.torchrun), ("ctrl_c", args.ctrl_c_at_start)):
         if count == 0:
             continue
         clean, started = 0, time.monotonic()
         with tempfile.TemporaryDirectory() as scratch:
             for i in range(count):
-                problem = one_run(launcher, os.path.join(scratch, f"run{i}"))
+                folder = os.path.join(scratch, f"run{i}")
+                problem = ctrl_c_at_start(folder) if launcher == "ctrl_c" else one_run(launcher, folder)
                 clean += not problem
                 if problem:
                     print(f"{launcher} run {i + 1}: {problem}", flush=True)
         seconds = time.monotonic() - started
-        print(f"{launcher}: {clean} of {count} runs clean (exit 0, no abort line, full CSV) in {seconds:.0f} s")
+        clean_means = "exit 130, one line" if launcher == "ctrl_c" else "exit 0, no abort line, full CSV"
+        print(f"{launcher}: {clean} of {count} runs clean ({clean_means}) in {seconds:.0f} s")
 
 
 if __name__ == "__main__":
