@@ -29,7 +29,7 @@ from processes import UserError
 # on resume unless it is added here.
 FREE_ON_RESUME = tuple(
     "DATA_DIR OUTPUT_DIR RESUME WORLD_SIZE AMP COMPILE SYNC_BN ACCUMULATE BF16_ALLREDUCE TTA COLLECTIVE_TIMEOUT "
-    "PROGRESS_EVERY".split()
+    "PROGRESS_EVERY LOADER NUM_WORKERS".split()
 )
 # Allowed ranges, (lowest, highest) with None where open; text settings must not be empty.
 LIMITS = {
@@ -37,6 +37,7 @@ LIMITS = {
     "BATCH_SIZE": (1, None),
     "IMAGE_SIZE": (8, None),
     "SYNTHETIC_SIZE": (1, None),
+    "NUM_WORKERS": (-1, None),
     "ACCUMULATE": (1, None),
     "COLLECTIVE_TIMEOUT": (1, None),
     "PROGRESS_EVERY": (1, None),

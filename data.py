@@ -1,17 +1,18 @@
-"""Datasets as uint8 tensors, and a loader that shards, augments and batches them on the device.
+"""The data: two loaders (train, test) of IMAGE_SIZE x IMAGE_SIZE uint8 images, cropped, flipped and normalised on
+the device in batches. LOADER decides how images reach the device (one rule for every rank, `choose_loader`):
 
-Every dataset becomes two `ImageSet`s (train, test) of IMAGE_SIZE x IMAGE_SIZE uint8 images, read once. An
-image folder is decoded once per machine (every image checked, resized to the square if it is not) into a cache
-file that later runs and the other ranks load in a fraction of a second, with its channel statistics.
-`DeviceLoader` keeps a set on the training device and per epoch gives this rank its shard of one shared
-permutation, cut into batches by indexing, cropped, flipped and normalised there: no per-image Python work.
+    memory   `DeviceLoader` keeps a whole split on the device, read once (CIFAR-10's files, generated images, or an
+             image folder decoded once per machine into a cache file); per epoch this rank's shard of one shared
+             permutation is cut into batches by indexing: no per-image Python work
+    stream   `loaders.StreamLoader`, for image folders of any size: torch's DataLoader with a DistributedSampler, its
+             worker processes decoding the files as training goes (image_folder.ImageFiles)
 """
 
 import os
 import pickle
 import socket
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -21,14 +22,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import image_folder
+import loaders
 import outputs
-from distribute_tools import DistInfo, all_ranks_try, under_torchrun
+from distribute_tools import DistInfo, all_ranks_try, cpu_cores, under_torchrun
 from processes import UserError, first_line
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's published, 0..1 units
-Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]  # (images, labels) on the device
 SYNTHETIC_CLASSES = 10
 CIFAR_ARCHIVE, CIFAR_SIZES = "cifar-10-python.tar.gz", (50_000, 10_000, 10)  # train images, test images, classes
+MEMORY_SHARE = 0.25  # auto: memory while the decoded set takes at most this share of the smallest free memory
 
 
 @dataclass
@@ -46,21 +48,32 @@ class ImageSet:
     def checksum(self) -> int:
         """Cheap, order-sensitive: ranks compare it to find a machine with another copy of the data."""
         position = torch.arange(1, len(self) + 1, dtype=torch.int64)
-        # Each image's bytes read as int64 words and summed (wrapping): 40x faster than widening every pixel.
-        per_image = self.images.contiguous().view(len(self), -1).view(torch.int64).sum(dim=1)
+        pixels = self.images.contiguous().view(len(self), -1)
+        # Each image's bytes read as int64 words and summed (wrapping): 40x faster than widening every pixel, which
+        # images whose bytes do not fill whole words need.
+        per_image = (pixels.view(torch.int64) if pixels.shape[1] % 8 == 0 else pixels.long()).sum(dim=1)
         return int(((per_image + 7919 * self.labels) * position).sum())
 
 
-def identity(train: ImageSet, test: ImageSet) -> str:
-    """What tells one data set from another: a resume on other data is refused with it."""
-    size, checksum = train.images.shape[-1], train.checksum() ^ test.checksum()
-    return f"{len(train):,} train and {len(test):,} test images of {size}x{size}, checksum {checksum:x}"
+def identity(train_images: int, test_images: int, size: int, content: str) -> str:
+    """What tells one data set from another (`content`: a checksum of the pixels, or of an image folder's files):
+    a resume on other data is refused with it."""
+    return f"{train_images:,} train and {test_images:,} test images of {size}x{size}, {content}"
 
 
-def record(train: ImageSet, test: ImageSet) -> dict[str, Any]:
+def same_data(saved: str, now: str) -> bool:
+    """Whether a checkpoint's identity of its data is this run's. An image folder's identity comes from its
+    files; checkpoints written while it came from the decoded pixels ("checksum") are compared by their counts
+    and size alone."""
+    old_folder = ", checksum " in saved and ", files " in now
+    return saved.partition(", ")[0] == now.partition(", ")[0] if old_folder else saved == now
+
+
+def record(train: ImageSet, test: ImageSet, content: str = "") -> dict[str, Any]:
     """What a checkpoint records of the data: its identity, and what an evaluation of the weights needs."""
+    content = content or f"checksum {train.checksum() ^ test.checksum():x}"
     return {
-        "identity": identity(train, test),
+        "identity": identity(len(train), len(test), train.images.shape[-1], content),
         "classes": train.classes,
         "mean": train.mean,
         "std": train.std,
@@ -80,7 +93,7 @@ def sizes(cfg: SimpleNamespace) -> tuple[int, int, int]:
         if cfg.IMAGE_SIZE != 32:
             raise UserError(f"IMAGE_SIZE={cfg.IMAGE_SIZE} but CIFAR-10's images are 32x32; use --image_size 32")
         return CIFAR_SIZES
-    (classes, train), (test_classes, test) = (
+    (classes, train, _), (test_classes, test, _) = (
         image_folder.list_images(os.path.join(cfg.DATA_DIR, s)) for s in ("train", "test")
     )
     image_folder.check_same_classes(cfg.DATA_DIR, classes, test_classes)
@@ -88,19 +101,26 @@ def sizes(cfg: SimpleNamespace) -> tuple[int, int, int]:
 
 
 def prepare(cfg: SimpleNamespace) -> None:
-    """What one process per machine does before any rank loads the data: download CIFAR-10, or decode and
-    check an image folder into its cache. Raises UserError naming the file or folder at fault."""
+    """What one process per machine does before any rank loads the data: download CIFAR-10, or read the header
+    of every image of an image folder (a memory run decodes it fully later). Raises UserError naming the file
+    or folder at fault."""
     if cfg.DATASET == "cifar10":
         download_cifar10(cfg.DATA_DIR)
     elif cfg.DATASET == "imagefolder":
         for split in ("train", "test"):  # sizes() has checked the folders and their classes
-            image_folder.ensure_decoded(os.path.join(cfg.DATA_DIR, split), cfg.IMAGE_SIZE)
+            image_folder.check_headers(os.path.join(cfg.DATA_DIR, split))
 
 
 def check_sizes(cfg: SimpleNamespace, make_model: Callable[[int], torch.nn.Module], ranks: int) -> None:
-    """Before anything starts: at least one global batch of training images, and data and model that fit in
-    this machine's memory. Per rank: the uint8 set and its copy on the device (generated images pass through
-    float32 noise first), the weights with their gradients, momentum and the two copies a checkpoint makes."""
+    """Before anything starts: a loader that can read DATASET, at least one global batch of training images, and
+    data and model that fit in this machine's memory. Per rank: the uint8 set and its copy on the device
+    (generated images pass through float32 noise first; a streamed or `auto` image folder holds no set), the
+    weights with their gradients, momentum and the two copies a checkpoint makes."""
+    if cfg.LOADER == "stream" and cfg.DATASET != "imagefolder":
+        raise UserError(
+            f"LOADER='stream' reads image folders; DATASET={cfg.DATASET!r} is held in memory (it fits): use "
+            f"--loader auto or memory"
+        )
     train_images, test_images, classes = sizes(cfg)
     if train_images < cfg.BATCH_SIZE:
         raise UserError(
@@ -108,13 +128,15 @@ def check_sizes(cfg: SimpleNamespace, make_model: Callable[[int], torch.nn.Modul
             f"lower --batch_size"
         )
     parameters = count_parameters(make_model, classes)
-    data_bytes = (train_images + test_images) * 3 * cfg.IMAGE_SIZE**2 * (10 if cfg.DATASET == "synthetic" else 2)
+    held = cfg.DATASET != "imagefolder" or cfg.LOADER == "memory"
+    data_bytes = held * (train_images + test_images) * 3 * cfg.IMAGE_SIZE**2 * (10 if cfg.DATASET == "synthetic" else 2)
     needed, here = ranks * (data_bytes + 20 * parameters), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if needed > here:
+        fix = "use --loader auto (which streams a set this big), or " if cfg.DATASET == "imagefolder" and held else ""
         raise UserError(
             f"this run needs about {needed / 2**30:,.0f} GB of memory ({ranks} rank(s) x {data_bytes / 2**30:,.1f} GB "
             f"of images and {20 * parameters / 2**30:,.1f} GB for {parameters:,} parameters), more than this "
-            f"machine's {here / 2**30:,.0f} GB; lower --image_size, the number of images or the network's size"
+            f"machine's {here / 2**30:,.0f} GB; {fix}lower --image_size, the number of images or the network's size"
         )
 
 
@@ -166,22 +188,103 @@ def download_cifar10(data_dir: str, timeout_s: float = 60.0) -> None:
 # ----------------------------------------------------------------------------- readers
 
 
-def load(cfg: SimpleNamespace, dist_info: DistInfo) -> tuple[ImageSet, ImageSet]:
-    """This rank's (train, test) sets on the CPU. Under torchrun, where no launcher prepared the data, local
-    rank 0 of each machine prepares it first. Every rank must hold the same images (a machine with another
-    copy of DATA_DIR would hang or train on other data): their identities meet once."""
+def load(
+    cfg: SimpleNamespace, dist_info: DistInfo, memory_format: torch.memory_format = torch.contiguous_format
+) -> tuple["loaders.Loader", "loaders.Loader", dict[str, Any]]:
+    """This rank's (train, test) loaders and what the checkpoint records of the data. Under torchrun, where no
+    launcher prepared the data, local rank 0 of each machine prepares it first. Every rank must hold the same
+    images (a machine with another copy of DATA_DIR would hang or train on other data): their identities meet once."""
     if under_torchrun():
         all_ranks_try(lambda: prepare(cfg) if dist_info.local_rank == 0 else None)
-    train, test = read(cfg)
+    folder = _image_folder(cfg) if cfg.DATASET == "imagefolder" else None
+    content = image_folder.identity(list(zip(*folder[:2], strict=True))) if folder else ""
+    images = sum(map(len, folder[1])) if folder else sum(sizes(cfg)[:2])
+    loader, how = choose_loader(cfg, dist_info, 3 * cfg.IMAGE_SIZE**2 * images)
+    if folder and loader == "stream":
+        train, test, recorded = stream_image_folder(cfg, dist_info, memory_format, *folder[:3], content)
+    else:
+        train_set, test_set = read(cfg)
+        train, test = (
+            loaders.DeviceLoader(s, dist_info.device, cfg.AUGMENT and s is train_set, memory_format)
+            for s in (train_set, test_set)
+        )
+        recorded = record(train_set, test_set, content)
+    recorded.update(loader=how, skipped=folder[3] if folder else 0)
     everyone: list[Any] = [None] * dist_info.world_size
-    dist.all_gather_object(everyone, identity(train, test))
+    dist.all_gather_object(everyone, recorded["identity"])
     others = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
     if others:
         raise UserError(
             f"rank(s) {', '.join(map(str, others))} loaded other data than rank 0 ({everyone[others[0]]}, against "
             f"{everyone[0]}); give every machine the same copy of DATA_DIR"
         )
-    return train, test
+    return train, test, recorded
+
+
+def _image_folder(cfg: SimpleNamespace) -> tuple[list[str], list[image_folder.Samples], list[str], int]:
+    """The two splits' folders, their (path, label) lists, the class names and how many entries were skipped."""
+    roots = [os.path.join(cfg.DATA_DIR, split) for split in ("train", "test")]
+    listed = [image_folder.list_images(root) for root in roots]
+    return roots, [samples for _, samples, _ in listed], listed[0][0], sum(skipped for *_, skipped in listed)
+
+
+def free_memory(dist_info: DistInfo) -> int:
+    """Bytes a rank may still fill: its GPU's free memory, or on the CPU this machine's available memory shared
+    by its ranks."""
+    if dist_info.device.type == "cuda":
+        return torch.cuda.mem_get_info(dist_info.device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):  # not Linux
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return available // dist_info.local_world_size
+
+
+def choose_loader(cfg: SimpleNamespace, dist_info: DistInfo, decoded_bytes: int) -> tuple[str, str]:
+    """ "memory" or "stream", and the first line's words for it; decided alike on every rank, from the smallest
+    free memory of any rank. `auto` holds an image folder in memory while its decoded images take at most
+    MEMORY_SHARE of that (they are held twice while they are laid out, and the network needs room too)."""
+    free = torch.tensor([free_memory(dist_info)], dtype=torch.float64, device=dist_info.device)
+    dist.all_reduce(free, op=dist.ReduceOp.MIN)  # DDP: every rank decides alike
+    figures = f"{decoded_bytes / 2**30:,.2f} GB of decoded images, {free.item() / 2**30:,.1f} GB free per rank"
+    streams = cfg.LOADER == "stream" or (
+        cfg.LOADER == "auto" and cfg.DATASET == "imagefolder" and decoded_bytes > MEMORY_SHARE * free.item()
+    )
+    if not streams and decoded_bytes > free.item():
+        fix = "use --loader stream" if cfg.DATASET == "imagefolder" else "lower --synthetic_size or --image_size"
+        raise UserError(f"the data set does not fit in a rank's memory ({figures}); {fix}")
+    chosen = "stream" if streams else "memory"
+    if cfg.LOADER == "auto" and cfg.DATASET == "imagefolder":
+        share = f"{'over' if streams else 'within'} {MEMORY_SHARE:.0%} of the free memory"
+        return chosen, f"loader {chosen} (auto: {figures}, {share})"
+    return chosen, f"loader {chosen}"
+
+
+def stream_image_folder(
+    cfg: SimpleNamespace,
+    dist_info: DistInfo,
+    memory_format: torch.memory_format,
+    roots: list[str],
+    splits: list[image_folder.Samples],
+    classes: list[str],
+    content: str,
+) -> tuple["loaders.StreamLoader", "loaders.StreamLoader", dict[str, Any]]:
+    """An image folder read from its files as training goes, normalised with the statistics of a fixed sample
+    of its training images (as the memory path is, so that a run may switch loaders on resume)."""
+    workers = cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else max(1, cpu_cores() // dist_info.local_world_size - 1)
+    train_files, test_files = (image_folder.ImageFiles(samples, cfg.IMAGE_SIZE) for samples in splits)
+    mean, std = loaders.sample_statistics(train_files, roots[0], dist_info, workers)
+    train, test = (
+        loaders.StreamLoader(
+            files, root, dist_info.device, workers, cfg.AUGMENT and files is train_files, memory_format, mean, std
+        )
+        for files, root in ((train_files, roots[0]), (test_files, roots[1]))
+    )
+    size = cfg.IMAGE_SIZE
+    recorded = {"identity": identity(len(train), len(test), size, content), "classes": classes, "mean": mean}
+    recorded.update(std=std, image_size=size, resized=0)  # resized images are counted by the memory path only
+    return train, test, recorded
 
 
 def read(cfg: SimpleNamespace) -> tuple[ImageSet, ImageSet]:
@@ -192,7 +295,8 @@ def read(cfg: SimpleNamespace) -> tuple[ImageSet, ImageSet]:
         train, test = (
             ImageSet(**image_folder.decoded(os.path.join(cfg.DATA_DIR, s), cfg.IMAGE_SIZE)) for s in ("train", "test")
         )
-        test.mean, test.std = train.mean, train.std
+        sample = train.images[image_folder.statistics_sample(len(train))]
+        train.mean, train.std = test.mean, test.std = image_folder.channel_statistics(sample)
         return train, test
     train = make_synthetic(cfg.SYNTHETIC_SIZE, cfg.SEED, split=0, image_size=cfg.IMAGE_SIZE)
     test = make_synthetic(max(cfg.SYNTHETIC_SIZE // 5, 1), cfg.SEED, split=1, image_size=cfg.IMAGE_SIZE, like=train)
@@ -233,91 +337,3 @@ def make_synthetic(size: int, seed: int, split: int, image_size: int = 32, like:
     images = (255 * (0.25 + 0.5 * patterns[labels]) + 60 * noise).clamp(0, 255).to(torch.uint8)
     mean, std = (like.mean, like.std) if like else image_folder.channel_statistics(images)
     return ImageSet(images, labels, [f"class_{c}" for c in range(SYNTHETIC_CLASSES)], mean, std)
-
-
-# ----------------------------------------------------------------------------- sharding and augmentation
-
-
-def seed_for(*parts: int) -> int:
-    """One 63-bit seed from several integers (SEED, epoch, rank, ...)."""
-    value = 0
-    for part in parts:
-        value = (value * 1_000_003 + part + 1) % (2**63)
-    return value
-
-
-def shard_indices(n: int, world_size: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
-    """This rank's shard of the epoch: every rank draws the same permutation (from seed and epoch) and takes
-    every world_size-th entry of it. The shards are disjoint and equal-sized; the last n % world_size entries
-    of the permutation sit out this epoch. Striding (not slicing) makes step s of every rank together use
-    permutation[s*B:(s+1)*B]: the same global batches at any world size."""
-    permutation = torch.randperm(n, generator=torch.Generator().manual_seed(seed_for(seed, epoch)))
-    return permutation[rank : n - n % world_size : world_size]
-
-
-def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
-    """Indices that fall off either edge mirror back into 0..size-1 (reflect padding)."""
-    index = index.abs()
-    return torch.where(index > size - 1, 2 * (size - 1) - index, index)
-
-
-def crop_and_flip(pixels: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
-    """Random crops of a reflect-padded image (shifts of up to `pad` pixels) and random horizontal flips, drawn
-    per image, done with one gather. pixels: uint8 (B, H, W, C); returns the same shape."""
-    batch, height, width, _ = pixels.shape
-    device = pixels.device
-    shifts = torch.randint(-pad, pad + 1, (2, batch, 1), generator=generator, device=device)
-    rows = _reflect(torch.arange(height, device=device) + shifts[0], height)
-    cols = _reflect(torch.arange(width, device=device) + shifts[1], width)
-    flip = torch.rand(batch, 1, generator=generator, device=device) < 0.5
-    cols = torch.where(flip, width - 1 - cols, cols)
-    return pixels[torch.arange(batch, device=device)[:, None, None], rows[:, :, None], cols[:, None, :]]
-
-
-class DeviceLoader:
-    """One split on the training device: per-epoch shards, batches by indexing, augmentation and normalisation
-    on the device. Batches come out as float32 in `memory_format`."""
-
-    def __init__(
-        self,
-        data: ImageSet,
-        device: torch.device,
-        augment: bool = False,
-        memory_format: torch.memory_format = torch.contiguous_format,
-    ) -> None:
-        self.pixels = data.images.permute(0, 2, 3, 1).contiguous().to(device)  # NHWC: a batch is one gather
-        self.labels = data.labels.to(device)
-        self.device, self.augment, self.memory_format = device, augment, memory_format
-        self.crop_pad = max(1, round(data.images.shape[-1] / 8))  # 4 pixels at 32x32, 8 at 64x64
-        self.mean = torch.tensor(data.mean, device=device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(data.std, device=device).view(1, 3, 1, 1) * 255
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def steps_per_epoch(self, global_batch: int) -> int:
-        """Full batches only: a last partial batch is dropped on every rank, every epoch."""
-        return len(self) // global_batch
-
-    def train_batches(self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int) -> Batches:
-        local_batch = global_batch // world_size
-        indices = shard_indices(len(self), world_size, rank, seed, epoch).to(self.device)
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed_for(seed, epoch, rank))  # augmentation differs per rank
-        for step in range(self.steps_per_epoch(global_batch)):
-            batch = indices[step * local_batch : (step + 1) * local_batch]
-            pixels = self.pixels[batch]
-            if self.augment:
-                pixels = crop_and_flip(pixels, self.crop_pad, generator)
-            yield self.normalise(pixels), self.labels[batch]
-
-    def eval_batches(self, world_size: int, rank: int, batch_size: int = 1000) -> Batches:
-        """This rank's contiguous part of the split: over all ranks every image exactly once."""
-        part = torch.tensor_split(torch.arange(len(self), device=self.device), world_size)[rank]
-        for batch in part.split(batch_size):
-            yield self.normalise(self.pixels[batch]), self.labels[batch]
-
-    def normalise(self, pixels: torch.Tensor) -> torch.Tensor:
-        """uint8 NHWC -> normalised float NCHW in the model's memory format."""
-        x = (pixels.permute(0, 3, 1, 2).float() - self.mean) / self.std
-        return x.contiguous(memory_format=self.memory_format)

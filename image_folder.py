@@ -1,23 +1,35 @@
-"""An image folder (DATA_DIR/train/<class>/<image>, DATA_DIR/test/...) read once per machine: every image decoded,
-checked and stretched to the square if it is not, on all cores, into one cache file with its channel statistics,
-which later runs and the other ranks load in a fraction of a second. Part of data.py's readers."""
+"""An image folder (DATA_DIR/train/<class>/<image>, DATA_DIR/test/...): its files, their identity and statistics,
+and two ways to read them. Part of data.py's readers.
+
+    memory   every image decoded once per machine, checked and stretched to the square if it is not, on all cores,
+             into one cache file, which later runs and the other ranks load in a fraction of a second
+    stream   `ImageFiles`, a Dataset that DataLoader worker processes read batch by batch, straight from the files
+
+Both decode an image the same way (`decode`), so a run may switch between them on resume."""
 
 import hashlib
 import multiprocessing
 import os
+import signal
 import sys
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
 import outputs
+import processes
 from distribute_tools import cpu_cores
 from processes import UserError, first_line
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 CACHE_FORMAT = 2  # bump when the cache's content changes meaning
 DECODE_CHUNK = 2_000  # images per decoding task
+STATISTICS_SAMPLE = 2_000  # training images, drawn with a fixed seed, that the normalisation statistics come from
+SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N", "I")  # grey modes of 16-bit files (older Pillow opens them as I)
+Samples = list[tuple[str, int]]  # (path, label) of every image of a split
 
 
 def decoded(root: str, size: int) -> dict[str, Any]:
@@ -39,9 +51,10 @@ def check_same_classes(data_dir: str, train: list[str], test: list[str]) -> None
         )
 
 
-def list_images(root: str) -> tuple[list[str], list[tuple[str, int]]]:
-    """Class names (sorted sub-folder names; hidden folders such as .ipynb_checkpoints are skipped) and (path,
-    label) of every image file. Raises UserError for a missing folder, an empty class or a broken link."""
+def list_images(root: str) -> tuple[list[str], Samples, int]:
+    """Class names (sorted sub-folder names; hidden folders such as .ipynb_checkpoints are skipped), (path, label)
+    of every image file, and how many entries of the class folders are skipped (other files, sub-folders).
+    Raises UserError for a missing folder, an empty class or a broken link."""
     parent = os.path.dirname(root)
     if not os.path.isdir(root):
         problem = "is a file, not a folder" if os.path.isfile(parent) else "does not exist"
@@ -53,9 +66,11 @@ def list_images(root: str) -> tuple[list[str], list[tuple[str, int]]]:
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise UserError(f"{root} holds no class folders; put one sub-folder per class in it, with the images inside")
-    samples = []
+    samples, skipped = [], 0
     for label, name in enumerate(classes):
-        files = sorted(f for f in os.listdir(os.path.join(root, name)) if f.lower().endswith(IMAGE_EXTENSIONS))
+        entries = os.listdir(os.path.join(root, name))
+        files = sorted(f for f in entries if f.lower().endswith(IMAGE_EXTENSIONS))
+        skipped += len(entries) - len(files)
         if not files:
             raise UserError(
                 f"{os.path.join(root, name)} holds no images ({', '.join(IMAGE_EXTENSIONS[:3])}, ...); put the "
@@ -68,22 +83,37 @@ def list_images(root: str) -> tuple[list[str], list[tuple[str, int]]]:
             f"{len(broken)} file(s) in {root} are links to files that do not exist: {', '.join(broken[:3])}"
             f"{' and more' if len(broken) > 3 else ''}; delete or replace them and rerun"
         )
-    return classes, samples
+    return classes, samples, skipped
+
+
+def identity(splits: list[tuple[str, Samples]]) -> str:
+    """What tells one image folder from another without reading an image: every file's name, class and size (not
+    its time: copies of a folder on other machines must agree). A file replaced by another of the same name and
+    size is not noticed."""
+    digest = hashlib.sha256()
+    for root, samples in splits:
+        for path, label in samples:
+            digest.update(f"{os.path.relpath(path, root)} {label} {os.path.getsize(path)}\n".encode())
+    return f"files {digest.hexdigest()[:16]}"
+
+
+def statistics_sample(train_images: int) -> list[int]:
+    """The training images the normalisation statistics come from: the same ones on every rank and every run."""
+    order = torch.randperm(train_images, generator=torch.Generator().manual_seed(0))
+    return sorted(order[:STATISTICS_SAMPLE].tolist())
 
 
 def ensure_decoded(root: str, size: int) -> str:
     """Decode the image folder `root` into its cache file unless one for its current files exists; returns that
     file. The cache is keyed by the image size and every file's path, size and modification time; the first
     process decodes (under a file lock: the other ranks and machines sharing the folder wait instead)."""
-    classes, samples = list_images(root)
+    classes, samples, _ = list_images(root)
     path = _cache_path(root, _cache_key(root, size, classes, samples))
     with outputs.lock_file(os.path.join(os.path.dirname(path), f"{os.path.basename(root)}.lock")):
         if not os.path.exists(path):  # written by a rename: if it is there, it is whole
             images, resized = decode_images([p for p, _ in samples], root, size)
-            mean, std = channel_statistics(images)
             labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
-            fields = {"images": images, "labels": labels, "classes": classes, "resized": resized}
-            _write_cache(path, {**fields, "mean": mean, "std": std})
+            _write_cache(path, {"images": images, "labels": labels, "classes": classes, "resized": resized})
     return path
 
 
@@ -91,18 +121,36 @@ def decode_images(paths: list[str], root: str, size: int) -> tuple[torch.Tensor,
     """Every image as 3 x size x size uint8 (others stretched to the square, antialiased), decoded in chunks on
     all cores, and how many were resized. Every file is checked: unreadable ones are named in one UserError (a
     data set is refused rather than silently shrunk, and the user learns which files to replace)."""
-    chunks = [(paths[start : start + DECODE_CHUNK], size) for start in range(0, len(paths), DECODE_CHUNK)]
-    with _decoding_pool(len(chunks)) as pool:
-        decoded = list(pool.map(_decode_chunk, chunks))
-    problems = [problem for _, chunk_problems, _ in decoded for problem in chunk_problems]
-    if problems:
-        named = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-        raise UserError(
-            f"{len(problems)} of {len(paths)} images in {root} cannot be read: {named}; delete or replace "
-            f"{'it' if len(problems) == 1 else 'them'} and rerun"
-        )
+    decoded = _on_all_cores(_decode_chunk, paths, size)
+    _refuse_unreadable([problem for _, chunk_problems, _ in decoded for problem in chunk_problems], len(paths), root)
     images = torch.frombuffer(bytearray(b"".join(pixels for pixels, _, _ in decoded)), dtype=torch.uint8)
     return images.view(len(paths), 3, size, size), sum(resized for _, _, resized in decoded)
+
+
+def check_headers(root: str) -> None:
+    """Open every image of the folder `root` as far as its header, on all cores (the stream loader's check before
+    training, a fraction of a full decode); unreadable files are named in one UserError."""
+    paths = [path for path, _ in list_images(root)[1]]
+    _refuse_unreadable([p for chunk in _on_all_cores(_header_chunk, paths, 0) for p in chunk], len(paths), root)
+
+
+def unreadable(problems: list[str], total: int, root: str) -> str:
+    named = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+    return f"{len(problems)} of {total:,} images in {root} cannot be read: {named}"
+
+
+def _refuse_unreadable(problems: list[str], total: int, root: str) -> None:
+    """A data set is refused rather than silently shrunk, and the user learns which files to replace."""
+    if problems:
+        raise UserError(
+            f"{unreadable(problems, total, root)}; delete or replace {'it' if len(problems) == 1 else 'them'} and rerun"
+        )
+
+
+def _on_all_cores(job: Any, paths: list[str], size: int) -> list[Any]:
+    chunks = [(paths[start : start + DECODE_CHUNK], size) for start in range(0, len(paths), DECODE_CHUNK)]
+    with _decoding_pool(len(chunks)) as pool:
+        return list(pool.map(job, chunks))
 
 
 def _decoding_pool(chunks: int) -> Executor:
@@ -116,33 +164,103 @@ def _decoding_pool(chunks: int) -> Executor:
 def _decode_chunk(job: tuple[list[str], int]) -> tuple[bytes, list[str], int]:
     """Pixels of each image, channels first, as bytes; "path (reason)" for each unreadable one; how many
     were resized."""
-    import numpy as np
-    from PIL import Image
-
     paths, size = job
     pixels, problems, resized = [], [], 0
     for path in paths:
         try:
-            with Image.open(path) as image:
-                image = image.convert("RGB")
-                if image.size != (size, size):
-                    image, resized = image.resize((size, size), Image.BILINEAR), resized + 1  # antialiased
-                pixels.append(np.asarray(image).transpose(2, 0, 1).tobytes())
+            image, was_resized = decode(path, size)
+            pixels.append(image.transpose(2, 0, 1).tobytes())
+            resized += was_resized
         except Exception as e:  # truncated, not an image, unsupported: the file is named, whatever the cause
             problems.append(f"{path} ({first_line(e, 80)})")
             pixels.append(bytes(3 * size * size))
     return b"".join(pixels), problems, resized
 
 
+def _header_chunk(job: tuple[list[str], int]) -> list[str]:
+    problems = []
+    for path in job[0]:
+        try:
+            with Image.open(path) as image:
+                image.size  # noqa: B018  (read from the header)
+        except Exception as e:
+            problems.append(f"{path} ({first_line(e, 80)})")
+    return problems
+
+
+def decode(path: str, size: int) -> tuple[np.ndarray, bool]:
+    """The image file `path` as size x size x 3 uint8 RGB (stretched to the square, antialiased, if it is not),
+    and whether it was resized. 16-bit grey keeps its levels (Pillow's RGB conversion clips them to white);
+    palette images go through RGBA (their transparency, otherwise a warning)."""
+    with Image.open(path) as image:
+        if image.mode in SIXTEEN_BIT:
+            levels = np.asarray(image).astype(np.float64).clip(0, 65535) / 257  # 0..65535 -> 0..255
+            image = Image.fromarray(levels.round().astype(np.uint8), "L")
+        elif image.mode in ("P", "PA"):
+            image = image.convert("RGBA")
+        image = image.convert("RGB")
+    resized = image.size != (size, size)
+    if resized:
+        image = image.resize((size, size), Image.BILINEAR)
+    return np.asarray(image), resized
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """A split read from its files: the stream loader's DataLoader workers decode a batch of them at a time. A
+    file that cannot be decoded becomes a black image, and its name goes with the batch: the ranks then stop
+    together (data.StreamLoader) instead of one worker's traceback stopping one rank."""
+
+    def __init__(self, samples: Samples, size: int) -> None:
+        self.paths, self.labels, self.size = [p for p, _ in samples], [label for _, label in samples], size
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """(uint8 images (B, size, size, 3), int64 labels, "path (reason)" of each file that cannot be decoded)."""
+        pixels, problems = np.zeros((len(indices), self.size, self.size, 3), np.uint8), []
+        for row, index in enumerate(indices):
+            try:
+                pixels[row] = decode(self.paths[index], self.size)[0]
+            except Exception as e:  # whatever the cause, the file is named
+                problems.append(f"{self.paths[index]} ({first_line(e, 80)})")
+        return torch.from_numpy(pixels), torch.tensor([self.labels[i] for i in indices]), problems
+
+
+def whole_batch(batch: Any) -> Any:
+    """The DataLoader's collate_fn: ImageFiles.__getitems__ returns whole batches."""
+    return batch
+
+
+def quiet_worker(worker_id: int) -> None:
+    """A DataLoader worker leaves stopping to its rank (a Ctrl-C reaches every process of the terminal, scancel
+    every process of the job): it ignores the stop signals, ends at SIGTERM without a word and with exit code 0
+    (its rank then reports no failed worker; multiprocessing ends workers so as a rank exits), and dies with
+    its rank, however that ends."""
+    processes.ignore_stop_signals()
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
+    processes.die_with_parent(None)
+
+
 def channel_statistics(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and standard deviation of uint8 images, in 0..1 units (in chunks: no float copy of it all)."""
-    sums = torch.zeros(2, 3, dtype=torch.float64)
-    for chunk in images.split(4096):
-        x = chunk.transpose(0, 1).reshape(3, -1).double() / 255
-        sums += torch.stack([x.sum(dim=1), (x * x).sum(dim=1)])
-    count = images.numel() / 3
-    mean = sums[0] / count
-    std = (sums[1] / count - mean**2).clamp(min=1e-12).sqrt()
+    """Per-channel mean and standard deviation of uint8 images (N, 3, H, W), in 0..1 units."""
+    return statistics(pixel_sums(images.permute(0, 2, 3, 1)))
+
+
+def pixel_sums(images: torch.Tensor) -> torch.Tensor:
+    """Per channel: pixels, their sum and their sum of squares, of uint8 images (N, H, W, 3), as exact integers (in
+    chunks: no wide copy of it all). Sums of parts add up to the sums of the whole, in any order."""
+    sums = torch.zeros(3, 3, dtype=torch.int64, device=images.device)
+    for chunk in images.split(1024):
+        x = chunk.reshape(-1, 3).long()
+        sums += torch.stack([torch.full((3,), len(x), device=x.device), x.sum(dim=0), (x * x).sum(dim=0)])
+    return sums
+
+
+def statistics(sums: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    count, total, squares = sums.double().cpu() / torch.tensor([1.0, 255, 255**2]).view(3, 1)
+    mean = total / count
+    std = (squares / count - mean**2).clamp(min=1e-12).sqrt()
     return tuple(mean.tolist()), tuple(std.tolist())
 
 

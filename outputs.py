@@ -270,11 +270,14 @@ def describe(run: Any, peak_lr: float) -> str:
     options = [("compiled", cfg.COMPILE), ("SyncBatchNorm", cfg.SYNC_BN), ("bf16 all-reduce", cfg.BF16_ALLREDUCE)]
     extras = [name for name, on in [*options, (f"{cfg.ACCUMULATE} micro-batches", cfg.ACCUMULATE > 1)] if on]
     resized = f", {run.data['resized']:,} resized to {size}x{size}" if run.data["resized"] else ""
+    skipped = run.data.get("skipped", 0)
+    skipped = f", {skipped:,} other files or folders skipped" if skipped else ""
     width = f"width={cfg.WIDTH}, " if hasattr(cfg, "WIDTH") else ""  # settings of another network may differ
     blocks = "" if getattr(cfg, "RELU_AFTER_SUM", True) else ", seed blocks"
     parts = [
         f"{type(run.model).__name__}({width}{parameters:,} parameters{blocks}) on {cfg.DATASET} "
-        f"({len(run.train_data):,} train, {len(run.test_data):,} test images{resized})",
+        f"({len(run.train_data):,} train, {len(run.test_data):,} test images{resized}{skipped})",
+        run.data["loader"],
         f"{info.world_size} rank(s) on {info.device.type} ({info.backend})",
         f"global batch {cfg.BATCH_SIZE} ({cfg.BATCH_SIZE // info.world_size} per rank), "
         f"{run.steps_per_epoch} steps per epoch, {cfg.EPOCHS} epochs",

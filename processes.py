@@ -214,8 +214,7 @@ def report(error: BaseException, rank: int) -> int:
     error, stop, tag = as_user_error(error), _stopped_by(error), "" if rank == 0 else f"[rank {rank}] "
     if stop:
         if rank == 0:
-            kept = _kept_files[0]() if _kept_files else NOTHING_CHANGED
-            print_error(f"{'interrupted' if stop == signal.SIGINT else f'stopped by {stop.name}'}: {kept}")
+            print_error(f"{'interrupted' if stop == signal.SIGINT else f'stopped by {stop.name}'}: {kept_files()}")
         return EXIT_INTERRUPTED if stop == signal.SIGINT else EXIT_PREEMPTED
     if isinstance(error, Cancelled):  # another rank failed first: the launcher's line speaks for the run
         return 1
@@ -233,6 +232,11 @@ def report(error: BaseException, rank: int) -> int:
         lines = [f"failed with {type(error).__name__}:", *traceback.format_exception(error)]
         print_error("\n".join(f"[rank {rank}] {line}" for text in lines for line in text.rstrip().splitlines()))
     return 1
+
+
+def kept_files() -> str:
+    """What a run that ends now keeps, and how to continue (as told by tell_kept_files)."""
+    return _kept_files[0]() if _kept_files else NOTHING_CHANGED
 
 
 def tell_kept_files(describe: Callable[[], str]) -> None:

@@ -30,6 +30,7 @@ from torch import nn
 import config
 import outputs
 import processes
+from data import same_data
 from distribute_tools import DistInfo, all_ranks_try, under_torchrun
 from processes import UserError
 
@@ -102,11 +103,13 @@ def start(
     try:
         checkpoint, source = _newest_checkpoint(cfg, dist_info)
         saved = checkpoint.get("data", {}).get("identity", "none recorded") if checkpoint else data["identity"]
-        if saved != data["identity"]:
+        if not same_data(saved, data["identity"]):
             raise UserError(
-                f"the checkpoint in {cfg.OUTPUT_DIR} was trained on other data (images and checksum: {saved}, now "
-                f"{data['identity']}); resume on the same data, or start a new run without --resume"
+                f"the checkpoint in {cfg.OUTPUT_DIR} was trained on other data ({saved}, now {data['identity']}); "
+                f"resume on the same data, or start a new run without --resume"
             )
+        if saved != data["identity"] and dist_info.is_main:
+            print("warning: the checkpoint's data was recorded by an earlier version; compared by count and size only")
         if checkpoint:
             _check_same_network(checkpoint["model"], model.state_dict(), cfg.OUTPUT_DIR)
         if dist_info.is_main:

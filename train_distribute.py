@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 import config
 import data
 import distribute_tools
+import loaders
 import muon
 import outputs
 import processes
@@ -60,6 +61,8 @@ DATA_DIR: str = "./data"  # CIFAR-10 is downloaded here; imagefolder reads DATA_
 SYNTHETIC_SIZE: int = 10_000  # training images of DATASET="synthetic" (and a fifth as many test images)
 OUTPUT_DIR: str = "./output"  # CSV, picture and checkpoint; an earlier run's files there move to previous-<time>/
 IMAGE_SIZE: int = 32  # images of another size are stretched to this square; CIFAR-10 is 32
+LOADER: Literal["auto", "memory", "stream"] = "auto"  # memory: the set on the device; stream: files read as it trains
+NUM_WORKERS: int = -1  # stream: decoding processes per rank; -1: the rank's share of the cores less one (min. 1)
 
 # model
 WIDTH: int = 64  # channels of the first layer: 64 is the seed's network (9.6 M parameters); 8 or 16 for quick runs
@@ -108,8 +111,8 @@ class Run:
     model: nn.Module  # the plain network: evaluation and checkpoints use it
     ddp_model: nn.Module  # the same network wrapped in DDP (and compiled with COMPILE): training steps use it
     optimizer: torch.optim.Optimizer
-    train_data: data.DeviceLoader
-    test_data: data.DeviceLoader
+    train_data: loaders.Loader
+    test_data: loaders.Loader
     data: dict[str, Any]  # what the checkpoint records of the data: identity, classes, normalisation
     bf16: bool
     launched_at: float  # time.time() when the launcher started (under torchrun: when this worker started)
@@ -131,11 +134,12 @@ def main_worker(rank: int, world_size: int, cfg: SimpleNamespace, launched_at: f
 
 def build_run(cfg: SimpleNamespace, dist_info: DistInfo, launched_at: float) -> Run:
     """Data on the device, the network wrapped in DDP, the optimizer."""
-    train_set, test_set = data.load(cfg, dist_info)  # DDP: every rank, the whole set (checked to be the same)
+    # DDP: every rank, the same data (checked); held on the device, or streamed with a DistributedSampler
+    train_data, test_data, record = data.load(cfg, dist_info, torch.channels_last)
     device = dist_info.device
     torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: pick the fastest convolution once
     torch.manual_seed(cfg.SEED)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = make_model(cfg, len(train_set.classes))
+    model = make_model(cfg, len(record["classes"]))
     distribute_tools.route_around_cpu_crashes(model, device)  # a oneDNN bug on AVX-512 CPUs: docs/cpu-kinds.md
     if cfg.SYNC_BN:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # GPUs only: refused on CPUs before the start
@@ -150,13 +154,9 @@ def build_run(cfg: SimpleNamespace, dist_info: DistInfo, launched_at: float) -> 
         ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if cfg.COMPILE:
         ddp_model = torch.compile(ddp_model)  # after wrapping, so DDP's bucketed all-reduce keeps overlapping
-    loaders = [
-        data.DeviceLoader(s, device, cfg.AUGMENT and s is train_set, torch.channels_last) for s in (train_set, test_set)
-    ]
     bf16 = cfg.AMP and distribute_tools.bf16_is_fast(device)  # autocast, and Muon's larger products
     optimizer = make_optimizer(cfg, model, device, bf16)
-    record = data.record(train_set, test_set)
-    return Run(cfg, dist_info, model, ddp_model, optimizer, *loaders, record, bf16, launched_at)
+    return Run(cfg, dist_info, model, ddp_model, optimizer, train_data, test_data, record, bf16, launched_at)
 
 
 def make_model(cfg: SimpleNamespace, num_classes: int) -> nn.Module:
@@ -342,7 +342,7 @@ def check_before_start(cfg: SimpleNamespace) -> int:
     data.check_sizes(cfg, lambda classes: make_model(cfg, classes), int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if not (distribute_tools.under_torchrun() or resume.finished_here(cfg)):  # finished: the ranks say so
         resume.check_before_start(cfg)
-        data.prepare(cfg)  # download, or decode and check an image folder, once for every rank
+        data.prepare(cfg)  # download, or check every image's header, once for every rank
     return world_size
 
 

@@ -180,12 +180,14 @@ def launch(
     return Launched(request)
 
 
-def start_torchrun(*args: str, cwd: Path | None = None, cpus: list[int] | None = None) -> Launched:
+def start_torchrun(
+    *args: str, cwd: Path | None = None, cpus: list[int] | None = None, env: dict | None = None
+) -> Launched:
     """`torchrun *args` (args hold the script and its settings), in a session of its own, output merged: torchrun's
     own code forked from the test server, its workers forked from it (--run-path --start-method=fork: the script
     runs in each worker as `python script.py` runs it). test_torchrun_standalone runs the real command."""
     fast = ["--run-path", "--start-method=fork", *args]
-    return launch(*fast, module="torch.distributed.run", merge_output=True, cwd=cwd, cpus=cpus)
+    return launch(*fast, module="torch.distributed.run", merge_output=True, cwd=cwd, cpus=cpus, env=env)
 
 
 def run_script(
@@ -356,3 +358,28 @@ def reference_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, 
     result = run_script(*TINY, "--epochs=5", f"--output_dir={out}")
     assert result.returncode == 0, result.stdout + result.stderr
     return out, result, time.monotonic() - started
+
+
+def image_folder_of_noise(root: Path, train: int, test: int, size: int = 32, seed: int = 0) -> None:
+    """Two classes (a, b) of PNGs of random pixels, brighter in class b, in train/ and test/."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", train), ("test", test)):
+        for number in range(count):
+            label = "ab"[number % 2]
+            (root / split / label).mkdir(parents=True, exist_ok=True)
+            pixels = rng.integers(0, 160, (size, size, 3)) + 90 * (label == "b")
+            Image.fromarray(pixels.astype(np.uint8)).save(root / split / label / f"{number:04d}.png")
+
+
+@pytest.fixture(scope="session")
+def tiny_stream(tmp_path_factory) -> list[str]:
+    """TINY's counterpart on the stream loader: as many images, read from PNG files by one worker per rank, and
+    one entry of each kind that the reader skips."""
+    root = tmp_path_factory.mktemp("stream") / "images"
+    image_folder_of_noise(root, train=600, test=120)
+    (root / "train" / "a" / "notes.txt").write_text("not an image")
+    (root / "train" / "b" / "more").mkdir()
+    return [*TINY, "--dataset=imagefolder", f"--data_dir={root}", "--loader=stream", "--num_workers=1"]

@@ -9,6 +9,9 @@ run it starts (they act only where the run's environment asks, and ranks forked 
     TEST_NEW_COLUMN=name                  outputs.COLUMNS gets a column of that name (CSV only)
     TEST_UNUSED_LAYER=1                   make_model's network gets a layer that its forward never uses
     TEST_RANK_1_BUG=1                     rank 1 raises RuntimeError as it loads the data, before training
+    TEST_STATISTICS_SAMPLE=8              the stream loader's statistics come from 8 images (the others are
+                                          first decoded in training)
+    TEST_MEMORY_SHARE=0                   LOADER=auto streams any image folder (as if the device were too small)
 """
 
 import errno
@@ -73,5 +76,13 @@ def install_hooks() -> None:
             return load(cfg, dist_info)
 
         data.load = buggy_load
+    if "TEST_STATISTICS_SAMPLE" in os.environ:
+        import image_folder
+
+        image_folder.STATISTICS_SAMPLE = int(os.environ["TEST_STATISTICS_SAMPLE"])
+    if "TEST_MEMORY_SHARE" in os.environ:
+        import data
+
+        data.MEMORY_SHARE = float(os.environ["TEST_MEMORY_SHARE"])
     if "TEST_NEW_COLUMN" in os.environ:
         outputs.COLUMNS[os.environ["TEST_NEW_COLUMN"]] = ("a column a test added", None)

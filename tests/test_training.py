@@ -316,9 +316,25 @@ def run_on_terminal(*args: str, interrupt_at: str = "", exit_code: int = 0) -> s
     return b"".join(chunks).decode(errors="replace")
 
 
-def test_ctrl_c_on_a_terminal_mid_epoch_clears_the_progress_bar_before_the_last_line(tmp_path):
+def run_args(loader: str, request) -> list[str]:
+    """TINY, or its counterpart on the stream loader (an image folder read by DataLoader workers)."""
+    return TINY if loader == "memory" else request.getfixturevalue("tiny_stream")
+
+
+@pytest.fixture(scope="module")
+def stream_reference_run(tiny_stream, tmp_path_factory) -> Path:
+    """reference_run's counterpart on the stream loader."""
+    out = tmp_path_factory.mktemp("stream-reference") / "out"
+    result = run_script(*tiny_stream, "--epochs=5", f"--output_dir={out}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "(600 train, 120 test images, 2 other files or folders skipped) | loader stream | " in result.stdout
+    return out
+
+
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+def test_ctrl_c_on_a_terminal_mid_epoch_clears_the_progress_bar_before_the_last_line(tmp_path, loader, request):
     args = ["--progress_every=1", f"--output_dir={tmp_path}", "--epochs=50"]
-    output = run_on_terminal(*TINY, *args, interrupt_at="epoch 2/50:", exit_code=130)  # the bar of epoch 2
+    output = run_on_terminal(*run_args(loader, request), *args, interrupt_at="epoch 2/50:", exit_code=130)
     bar_left, _, line = output.rpartition("interrupted: ")
     assert line.startswith(f"the files in {tmp_path} are from epoch ") and "step" in bar_left
     assert re.split(r"[\r\n]", bar_left)[-1].strip() == "", "the line starts after a half-drawn bar"
@@ -337,10 +353,12 @@ def resume_and_check(folder: Path, reference: Path, args: list) -> subprocess.Co
     return result
 
 
-def test_kill_9_then_resume_gives_every_epoch_once_and_the_same_numbers(reference_run, tmp_path):
-    out, _, _ = reference_run
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+def test_kill_9_then_resume_gives_every_epoch_once_and_the_same_numbers(reference_run, tmp_path, loader, request):
+    """On the stream loader too: a resumed run draws the data in the uninterrupted run's order."""
+    out = reference_run[0] if loader == "memory" else request.getfixturevalue("stream_reference_run")
     folder = tmp_path / "out"
-    args = [*TINY, "--epochs=5", f"--output_dir={folder}"]
+    args = [*run_args(loader, request), "--epochs=5", f"--output_dir={folder}"]
     process = launch(*args)
     wait_for_rows(folder, 2, process)
     os.killpg(process.pid, signal.SIGKILL)  # the whole run, launcher and ranks, at whatever moment
@@ -530,8 +548,9 @@ def image_folder_of(root: Path, seed: int, sizes: tuple = (32,)) -> None:
 
 
 def test_a_resume_on_other_images_of_the_same_count_and_classes_is_refused(tmp_path):
-    for name, seed in (("a", 0), ("b", 1)):
-        image_folder_of(tmp_path / name, seed)
+    """Other files: the same names, other sizes (an image folder is told apart by its files' names and sizes)."""
+    for name, seed, size in (("a", 0, 32), ("b", 1, 40)):
+        image_folder_of(tmp_path / name, seed, sizes=(size,))
     common = ["--dataset=imagefolder", *width(4), "--batch_size=4", "--epochs=2", f"--output_dir={tmp_path / 'out'}"]
     first = run_script(*common, f"--data_dir={tmp_path / 'a'}", "--epochs=2")
     assert first.returncode == 0, first.stderr
@@ -542,7 +561,7 @@ def test_a_resume_on_other_images_of_the_same_count_and_classes_is_refused(tmp_p
     second = run_script(*common, f"--data_dir={tmp_path / 'b'}", "--resume=True")
     assert second.returncode == processes.EXIT_USER_ERROR and "Traceback" not in second.stderr
     lines = second.stderr.strip().splitlines()
-    assert len(lines) == 1 and "was trained on other data (images and checksum: 16 train and 4 test" in lines[0]
+    assert len(lines) == 1 and "was trained on other data (16 train and 4 test images of 32x32, files " in lines[0]
     assert "resume on the same data" in lines[0] and (tmp_path / "out" / "checkpoint.pt").read_bytes() == kept
 
 
@@ -552,7 +571,9 @@ def test_a_run_at_64x64_trains_at_64x64(tmp_path):
     args = ["--dataset=imagefolder", f"--data_dir={tmp_path / 'images'}", "--image_size=64", *width(4)]
     result = run_script(*args, "--batch_size=4", "--epochs=1", f"--output_dir={folder}")
     assert result.returncode == 0, result.stderr
-    assert "(16 train, 4 test images, 10 resized to 64x64)" in result.stdout.splitlines()[0]
+    first_line = result.stdout.splitlines()[0]
+    assert "(16 train, 4 test images, 10 resized to 64x64) | loader memory (auto: " in first_line
+    assert "GB free per rank, within 25% of the free memory) | " in first_line
     checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
     assert checkpoint["data"]["image_size"] == 64 and checkpoint["data"]["identity"].find("of 64x64") > 0
     cache = next((tmp_path / "images" / ".decoded").glob("train-*.pt"))
@@ -619,9 +640,11 @@ def stop_run(process, folder: Path, rows: int, stop, limit: float) -> str:
     return err
 
 
-def test_a_killed_rank_ends_the_run_naming_the_kept_epoch_and_leaves_nothing_behind(tmp_path):
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+def test_a_killed_rank_ends_the_run_naming_the_kept_epoch_and_leaves_nothing_behind(tmp_path, loader, request):
+    """With the stream loader, its DataLoader workers go too (stop_run)."""
     folder = tmp_path / "out"
-    process = launch(*TINY, "--epochs=500", f"--output_dir={folder}")
+    process = launch(*run_args(loader, request), "--epochs=500", f"--output_dir={folder}")
     err = stop_run(process, folder, 1, lambda: os.kill(rank_processes(process.pid)[1], signal.SIGKILL), 60)
     kept = torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"]
     assert process.returncode == 1 and "Traceback" not in err and kept == csv_rows(folder) >= 1
@@ -684,14 +707,17 @@ def test_ctrl_c_during_a_background_write_finishes_the_files_first(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("who", ["launcher", "rank"])
-def test_a_stop_signal_ends_every_rank_resumably(tmp_path, who):
-    """SIGTERM to the launcher (kill, scancel) or SIGUSR1 to one rank (SLURM's warning before the time limit):
-    every rank stops within seconds, the last checkpoint stays, the exit code says "resumable"."""
+@pytest.mark.parametrize("who,loader", [("launcher", "memory"), ("rank", "memory"), ("job", "stream")])
+def test_a_stop_signal_ends_every_rank_resumably(tmp_path, who, loader, request):
+    """SIGTERM to the launcher (kill), SIGUSR1 to one rank (SLURM's warning before the time limit) or SIGTERM to
+    every process of the run (scancel), DataLoader workers included: every rank stops within seconds, the last
+    checkpoint stays, the exit code says "resumable"."""
     folder = tmp_path / "out"
-    process = launch(*TINY, "--epochs=50", f"--output_dir={folder}")
+    process = launch(*run_args(loader, request), "--epochs=50", f"--output_dir={folder}")
     if who == "launcher":
         signal_it = lambda: os.kill(process.pid, signal.SIGTERM)  # noqa: E731
+    elif who == "job":
+        signal_it = lambda: os.killpg(process.pid, signal.SIGTERM)  # noqa: E731
     else:
         signal_it = lambda: os.kill(rank_processes(process.pid)[1], signal.SIGUSR1)  # noqa: E731
     err = stop_run(process, folder, 1, signal_it, limit=25)

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+import data
 import distribute_tools
 import muon
 import outputs
@@ -110,12 +111,42 @@ def widths_worker(rank: int, world_size: int, widths: list, settings: list, out:
             Path(out).write_text(json.dumps(finished))
 
 
-def train_and_evaluate(cfg: SimpleNamespace, info: distribute_tools.DistInfo) -> None:
-    """An epoch and an evaluation; the run ends with this call, before the group is left (see one_variant)."""
+def train_and_evaluate(cfg: SimpleNamespace, info: distribute_tools.DistInfo) -> dict:
+    """An epoch and an evaluation; the run ends with this call, before the group is left (see one_variant).
+    Returns what the run recorded of its data."""
     run = td.build_run(cfg, info, launched_at=time.time())
     (loss_sum, _, images), _, _ = td.train_epoch(run, epoch=1)
     _, acc = td.evaluate(run)
     assert loss_sum / images > 0 and 0 <= acc <= 1
+    return run.data
+
+
+def loaders_worker(rank: int, world_size: int, argvs: list, memory_share: float, out: str) -> None:
+    """An epoch and an evaluation of each run (a list of settings), with data.MEMORY_SHARE as given: rank 0 writes
+    which loader each run used and the statistics it normalised with."""
+    data.MEMORY_SHARE = memory_share
+    with distribute_tools.process_group(rank, world_size, 120) as info:
+        chosen = [train_and_evaluate(read_config(argv), info) for argv in argvs]
+        if info.is_main:
+            Path(out).write_text(json.dumps(chosen))
+
+
+def stream_order_worker(rank: int, world_size: int, argv: list, out: str) -> None:
+    """Rank by rank, the numbers of the images (tests.test_stream.numbered_folder) that two epochs of the stream
+    loader give, in order."""
+    with distribute_tools.process_group(rank, world_size, 120) as info:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(numbers_drawn(read_config(argv), info)))
+
+
+def numbers_drawn(cfg: SimpleNamespace, info: distribute_tools.DistInfo) -> dict[int, list[int]]:
+    """The loader ends with this call, before the group is left."""
+    train, _, _ = data.load(cfg, info)
+    drawn = {}
+    for epoch in (1, 2):
+        batches = train.train_batches(cfg.BATCH_SIZE, info.world_size, info.rank, cfg.SEED, epoch)
+        pixels = torch.cat([x[:, :, 0, 0] * train.std[:, :, 0, 0] + train.mean[:, :, 0, 0] for x, _ in batches])
+        drawn[epoch] = (pixels[:, 0].round() + 256 * pixels[:, 1].round()).long().tolist()
+    return drawn
 
 
 def evaluate_worker(rank: int, world_size: int, argv: list, out_path: str) -> None:
