@@ -209,7 +209,8 @@ def load(
             for s in (train_set, test_set)
         )
         recorded = record(train_set, test_set, content)
-    recorded.update(loader=how, skipped=folder[3] if folder else 0)
+    workers = f", {recorded.pop('workers')} worker(s) per rank" if "workers" in recorded else ""
+    recorded.update(loader=how + workers, skipped=folder[3] if folder else 0)
     everyone: list[Any] = [None] * dist_info.world_size
     dist.all_gather_object(everyone, recorded["identity"])
     others = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
@@ -284,7 +285,7 @@ def stream_image_folder(
     size = cfg.IMAGE_SIZE
     recorded = {"identity": identity(len(train), len(test), size, content), "classes": classes, "mean": mean}
     recorded.update(std=std, image_size=size, resized=0)  # resized images are counted by the memory path only
-    return train, test, recorded
+    return train, test, {**recorded, "workers": workers}
 
 
 def read(cfg: SimpleNamespace) -> tuple[ImageSet, ImageSet]:

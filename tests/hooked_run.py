@@ -70,10 +70,10 @@ def install_hooks() -> None:
 
         load = data.load
 
-        def buggy_load(cfg, dist_info):
+        def buggy_load(cfg, dist_info, *args):
             if dist_info.rank == 1:
                 raise RuntimeError("a bug in rank 1")
-            return load(cfg, dist_info)
+            return load(cfg, dist_info, *args)
 
         data.load = buggy_load
     if "TEST_STATISTICS_SAMPLE" in os.environ:

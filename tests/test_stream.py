@@ -47,7 +47,8 @@ def shuffled(images: int, rank: int, seed: int, epoch: int) -> list[int]:
 
 
 def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the_ranks_share(tmp_path):
-    numbered_folder(tmp_path / "images", 100)
+    """And an evaluation reads every test image exactly once: 11 of them, 6 on rank 0 and 5 on rank 1."""
+    numbered_folder(tmp_path / "images", 100, test=11)
     argv = ["--dataset=imagefolder", f"--data_dir={tmp_path / 'images'}", "--loader=stream", "--num_workers=1",
             "--image_size=8", "--batch_size=16", "--augment=False", "--seed=3"]  # fmt: skip
     assert call("tests.workers:start", "stream_order_worker", 2, argv, str(tmp_path)).returncode == 0
@@ -59,6 +60,7 @@ def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the
         for rank, shard in enumerate(shards):  # one shuffle of SEED and the epoch, every rank its part of it
             assert shard == shuffled(100, rank, seed=3, epoch=int(epoch))[:48]
     assert drawn[0]["1"] != drawn[0]["2"] and drawn[1]["1"] != drawn[1]["2"]
+    assert drawn[0]["test"] + drawn[1]["test"] == list(range(11))
 
 
 def test_any_image_size_trains_on_both_loaders_and_auto_streams_what_does_not_fit(tmp_path):
@@ -67,13 +69,16 @@ def test_any_image_size_trains_on_both_loaders_and_auto_streams_what_does_not_fi
     common = ["--dataset=imagefolder", f"--data_dir={tmp_path / 'images'}", *width(4), "--batch_size=8",
               "--num_workers=1"]  # fmt: skip
     runs = [[*common, "--image_size=30", "--loader=memory"], [*common, "--image_size=33", "--loader=memory"],
-            [*common, "--image_size=30", "--loader=stream"], [*common, "--image_size=33", "--loader=auto"]]  # fmt: skip
+            [*common, "--image_size=30", "--loader=stream"], [*common, "--image_size=33", "--loader=auto"],
+            [*common, "--dataset=synthetic", "--synthetic_size=32", "--image_size=30"]]  # fmt: skip
     out = tmp_path / "loaders.json"
     assert call("tests.workers:start", "loaders_worker", 2, runs, 0.0, str(out)).returncode == 0
     recorded = json.loads(out.read_text())
-    assert [r["loader"].partition(" (")[0] for r in recorded] == ["loader memory"] * 2 + ["loader stream"] * 2
+    loaders = [r["loader"].partition(" (")[0].partition(",")[0] for r in recorded]
+    assert loaders == ["loader memory"] * 2 + ["loader stream"] * 2 + ["loader memory"]
     assert recorded[3]["loader"].startswith("loader stream (auto: ") and "GB free per rank" in recorded[3]["loader"]
-    assert [r["image_size"] for r in recorded] == [30, 33, 30, 33]
+    assert recorded[2]["loader"] == "loader stream, 1 worker(s) per rank"
+    assert [r["image_size"] for r in recorded] == [30, 33, 30, 33, 30]
     # both loaders normalise with the statistics of the same sample of images: a run may switch on resume
     assert recorded[0]["mean"] == recorded[2]["mean"] and recorded[0]["std"] == recorded[2]["std"]
     assert recorded[0]["identity"] == recorded[2]["identity"]
@@ -156,3 +161,21 @@ def test_a_damaged_header_is_found_before_training_and_nothing_is_written(tmp_pa
     assert len(lines) == 1 and lines[0].startswith(f"error: 1 of 5 images in {tmp_path / 'images'}/test cannot be read")
     assert "broken.png (cannot identify image file" in result.stderr and "delete or replace it" in result.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "images" / ".decoded").exists()
+
+
+def test_a_run_moves_between_the_loaders_on_resume(tmp_path):
+    """Started on memory, resumed on stream, and back: one data identity, whatever the loader (the checkpoint is
+    cut back to epoch 1 before each resume, as if the run had stopped there)."""
+    image_folder_of_noise(tmp_path / "images", train=32, test=8, size=16)
+    out = tmp_path / "out"
+    common = ["--dataset=imagefolder", f"--data_dir={tmp_path / 'images'}", "--image_size=16", *width(4),
+              "--batch_size=8", f"--output_dir={out}", "--epochs=2"]  # fmt: skip
+    for loader, resume in (("memory", "False"), ("stream", "True"), ("memory", "True")):
+        if resume == "True":
+            saved = torch.load(out / "checkpoint.pt", weights_only=True)
+            saved.update(epoch=1, history=saved["history"][:1])
+            torch.save(saved, out / "checkpoint.pt")
+        result = run_script(*common, f"--loader={loader}", f"--resume={resume}")
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+        assert f"| loader {loader}" in result.stdout and csv_rows(out) == 2
+        assert resume == "False" or "resuming after epoch 1 of 2" in result.stdout

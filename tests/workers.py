@@ -138,15 +138,19 @@ def stream_order_worker(rank: int, world_size: int, argv: list, out: str) -> Non
         Path(out, f"rank{rank}.json").write_text(json.dumps(numbers_drawn(read_config(argv), info)))
 
 
-def numbers_drawn(cfg: SimpleNamespace, info: distribute_tools.DistInfo) -> dict[int, list[int]]:
-    """The loader ends with this call, before the group is left."""
-    train, _, _ = data.load(cfg, info)
-    drawn = {}
-    for epoch in (1, 2):
-        batches = train.train_batches(cfg.BATCH_SIZE, info.world_size, info.rank, cfg.SEED, epoch)
-        pixels = torch.cat([x[:, :, 0, 0] * train.std[:, :, 0, 0] + train.mean[:, :, 0, 0] for x, _ in batches])
-        drawn[epoch] = (pixels[:, 0].round() + 256 * pixels[:, 1].round()).long().tolist()
-    return drawn
+def numbers_drawn(cfg: SimpleNamespace, info: distribute_tools.DistInfo) -> dict[str, list[int]]:
+    """Per training epoch, and for an evaluation ("test"). The loaders end with this call, before the group is
+    left."""
+    train, test, _ = data.load(cfg, info)
+
+    def numbers(loader, batches) -> list[int]:
+        pixels = torch.cat([x[:, :, 0, 0] * loader.std[:, :, 0, 0] + loader.mean[:, :, 0, 0] for x, _ in batches])
+        return (pixels[:, 0].round() + 256 * pixels[:, 1].round()).long().tolist()
+
+    epochs = range(1, 3)
+    drawn = {str(e): numbers(train, train.train_batches(cfg.BATCH_SIZE, info.world_size, info.rank, cfg.SEED, e))
+             for e in epochs}  # fmt: skip
+    return {**drawn, "test": numbers(test, test.eval_batches(info.world_size, info.rank))}
 
 
 def evaluate_worker(rank: int, world_size: int, argv: list, out_path: str) -> None:

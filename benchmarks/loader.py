@@ -1,0 +1,225 @@
+"""The loaders side by side on real images (an image folder of photos, such as CIFAR-10 as JPEGs), in one run:
+
+    python -m benchmarks.loader --data_dir DIR                 # memory, then speed: about 10 minutes on 2 cores
+    python -m benchmarks.loader --data_dir DIR --only speed --runs 64x32 --pipelines stream memory --world_size 1
+
+memory  The peak memory of a whole run, launcher, ranks and DataLoader workers together: the sum of their PSS
+        (/proc/PID/smaps_rollup, shared pages split between the processes that share them), sampled every 0.1 s
+        while `python train_distribute.py` trains 2 epochs at width 8 on 2,000 and on 8,000 training images of
+        DIR resized to 96x96 and saved again as JPEGs (quality 90), with 500 test images; once per loader. The
+        memory loader's decoded cache is built before its runs (once per machine, not what a run holds).
+speed   Training images/s of 2 ranks (--world_size) at width 64 (32x32 images) and width 8 (32x32 and 96x96): stream,
+        memory and the seed's pipeline (torchvision's ImageFolder, ToTensor and Normalize per image, a DataLoader
+        with a DistributedSampler and no workers, as the seed has it), each with the project's training step;
+        and the share of the time each step waits for its batch (the rest: the step, forward to optimizer).
+        The images: the first --images of DIR/train (32x32), and the 96x96 copies of the memory part.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import config  # noqa: E402
+import distribute_tools  # noqa: E402
+import image_folder  # noqa: E402
+import train_distribute as td  # noqa: E402
+from distribute_tools import process_group, run_distribute  # noqa: E402
+
+PIPELINES = ("stream", "memory", "seed")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_dir", required=True, help="an image folder: DIR/train/<class>/<image>, DIR/test/...")
+    parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "loader-benchmark"), help="copies")
+    parser.add_argument("--only", choices=("memory", "speed"), help="one of the two measurements")
+    parser.add_argument("--images", type=int, default=5_120, help="training images of the speed runs")
+    parser.add_argument("--batch_size", type=int, default=256, help="global batch of the speed runs")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per speed run, after 3 untimed ones")
+    parser.add_argument("--runs", nargs="+", default=["64x32", "8x32", "8x96"], help="speed runs: WIDTHxSIZE")
+    parser.add_argument("--pipelines", nargs="+", choices=PIPELINES, default=list(PIPELINES))
+    parser.add_argument("--world_size", type=int, default=2, help="ranks of the speed runs (GPUs: one per GPU)")
+    return parser.parse_args()
+
+
+# ----------------------------------------------------------------------------- the images
+
+
+def copy_of(data_dir: Path, work: Path, train: int, test: int, size: int) -> Path:
+    """The first `train` and `test` images of data_dir (round robin over the classes), linked (size 0: as they
+    are) or resized to size x size and saved again as JPEGs; made once."""
+    from PIL import Image
+
+    target = work / f"{train}-{test}-{size or 'as-is'}"
+    if (target / "done").exists():
+        return target
+    for split, count in (("train", train), ("test", test)):
+        classes = sorted(p for p in (data_dir / split).iterdir() if p.is_dir())
+        files = [sorted(c.iterdir()) for c in classes]
+        for i in range(count):
+            source = files[i % len(classes)][i // len(classes)]
+            destination = target / split / source.parent.name / source.name
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            if size:
+                Image.open(source).convert("RGB").resize((size, size), Image.BILINEAR).save(destination, quality=90)
+            else:
+                destination.symlink_to(source)
+    (target / "done").write_text("")
+    return target
+
+
+def build_caches(folder: Path, size: int) -> None:
+    for split in ("train", "test"):
+        image_folder.ensure_decoded(str(folder / split), size)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def tree_pss_kb(root: int) -> int:
+    """The summed PSS of `root` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    total, frontier = 0, [root]
+    while frontier:
+        pid = frontier.pop()
+        frontier += children.get(pid, [])
+        try:
+            text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+            total += next(int(line.split()[1]) for line in text.splitlines() if line.startswith("Pss:"))
+        except (OSError, StopIteration):
+            continue  # it has just ended
+    return total
+
+
+def peak_memory_mb(folder: Path, loader: str, out: Path) -> float:
+    command = [sys.executable, str(ROOT / "train_distribute.py"), "--dataset=imagefolder", f"--data_dir={folder}",
+               f"--loader={loader}", "--image_size=96", "--width=8", "--batch_size=64", "--epochs=2",
+               "--world_size=2", f"--output_dir={out}", "--resume=False"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    peak = 0
+    while process.poll() is None:
+        peak = max(peak, tree_pss_kb(process.pid))
+        time.sleep(0.1)
+    if process.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed with exit code {process.returncode}")
+    return peak / 1024
+
+
+def measure_memory(data_dir: Path, work: Path) -> dict:
+    sets = {train: copy_of(data_dir, work, train, 500, 96) for train in (2_000, 8_000)}
+    for folder in sets.values():
+        build_caches(folder, 96)
+    peaks = {(loader, train): peak_memory_mb(folder, loader, work / "out") for loader in ("stream", "memory")
+             for train, folder in sets.items()}  # fmt: skip
+    print("\npeak PSS of the whole run (MB), 96x96 images, 2 ranks on the CPU")
+    print(f"{'loader':8} {'2,000 images':>13} {'8,000 images':>13} {'growth':>8}")
+    for loader in ("stream", "memory"):
+        small, big = peaks[(loader, 2_000)], peaks[(loader, 8_000)]
+        print(f"{loader:8} {small:13,.0f} {big:13,.0f} {big / small - 1:8.0%}")
+    return {f"{loader} {train}": mb for (loader, train), mb in peaks.items()}
+
+
+# ----------------------------------------------------------------------------- speed
+
+
+def seed_batches(folder: Path, local_batch: int, info: distribute_tools.DistInfo):
+    """The seed's pipeline on an image folder: per image PIL -> ToTensor -> Normalize, no workers."""
+    import torchvision.transforms as T
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+    from torchvision.datasets import ImageFolder
+
+    normalise = T.Normalize((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010))
+    dataset = ImageFolder(str(folder / "train"), T.Compose([T.ToTensor(), normalise]))  # the files are size x size
+    sampler = DistributedSampler(dataset, info.world_size, info.rank, shuffle=True, seed=0, drop_last=True)
+    for x, y in DataLoader(dataset, local_batch, sampler=sampler, num_workers=0, drop_last=True):
+        yield x.to(info.device).contiguous(memory_format=torch.channels_last), y.to(info.device)
+
+
+def speed_worker(rank: int, world_size: int, argv: list, pipeline: str, steps: int, result: str) -> None:
+    """Untimed steps, then `steps` timed ones: images/s and the seconds spent waiting for batches."""
+    with process_group(rank, world_size) as info:
+        cfg = config.read_config(td.__file__, argv)
+        run = td.build_run(cfg, info, launched_at=time.time())
+        local = cfg.BATCH_SIZE // world_size
+        if pipeline == "seed":
+            batches = seed_batches(Path(cfg.DATA_DIR), local, info)
+        else:
+            batches = run.train_data.train_batches(cfg.BATCH_SIZE, world_size, rank, cfg.SEED, epoch=1)
+        sums, loss_fn, waited = torch.zeros(3, device=info.device), td.loss_function(cfg), 0.0
+        for step in range(3 + steps):
+            if step == 3:
+                distribute_tools.synchronize(info.device)
+                started, waited = time.perf_counter(), 0.0
+            asked = time.perf_counter()
+            x, y = next(batches)
+            waited += time.perf_counter() - asked
+            td.train_step(run, x, y, 0.1, loss_fn, sums)
+        distribute_tools.synchronize(info.device)
+        seconds = time.perf_counter() - started
+        facts = torch.tensor([seconds, waited], dtype=torch.float64, device=info.device)
+        torch.distributed.all_reduce(facts, op=torch.distributed.ReduceOp.MAX)
+        if info.is_main:
+            Path(result).write_text(json.dumps({"images_per_second": steps * cfg.BATCH_SIZE / facts[0].item(),
+                                                "wait_share": facts[1].item() / facts[0].item()}))  # fmt: skip
+        del run, batches
+
+
+def measure_speed(data_dir: Path, work: Path, args: argparse.Namespace) -> dict:
+    runs = [tuple(int(n) for n in run.split("x")) for run in args.runs]  # (width, image size)
+    folders = {size: copy_of(data_dir, work, args.images, 500, 0 if size == 32 else size) for _, size in runs}
+    results = {}
+    for width, size in runs:
+        build_caches(folders[size], size)
+        for pipeline in args.pipelines:
+            argv = ["--dataset=imagefolder", f"--data_dir={folders[size]}", f"--image_size={size}",
+                    f"--width={width}", f"--batch_size={args.batch_size}", f"--world_size={args.world_size}",
+                    f"--loader={'memory' if pipeline == 'seed' else pipeline}"]  # fmt: skip
+            with tempfile.NamedTemporaryFile(suffix=".json") as result:
+                if run_distribute(speed_worker, args.world_size, argv, pipeline, args.steps, result.name) != 0:
+                    sys.exit(f"the {pipeline} run at width {width}, {size}x{size} failed")
+                results[(width, size, pipeline)] = json.loads(Path(result.name).read_text())
+    print(f"\ntraining images/s (share of each step spent waiting for its batch), {args.world_size} rank(s), "
+          f"global batch {args.batch_size}")  # fmt: skip
+    ratio = "stream/memory" if {"stream", "memory"} <= set(args.pipelines) else ""
+    print(f"{'width, size':14}" + "".join(f"{p:>18}" for p in args.pipelines) + f"{ratio:>15}")
+    for width, size in runs:
+        cells = {p: results[(width, size, p)] for p in args.pipelines}
+        line = "".join(f"{c['images_per_second']:10,.0f} ({c['wait_share']:4.0%})" for c in cells.values())
+        if ratio:
+            line += f"{cells['stream']['images_per_second'] / cells['memory']['images_per_second']:15.2f}"
+        print(f"{width:>5}, {size}x{size:<5}{line}")
+    return {f"{w} {s} {p}": r for (w, s, p), r in results.items()}
+
+
+def main() -> None:
+    args = parse_args()
+    data_dir, work = Path(args.data_dir).resolve(), Path(args.work)
+    kind = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in Path("/proc/cpuinfo").read_text()]
+    print(f"{distribute_tools.cpu_cores()} cores, CPU bf16: {', '.join(kind) or 'none (AVX2 or older)'}, "
+          f"torch {torch.__version__}")  # fmt: skip
+    if args.only != "speed":
+        measure_memory(data_dir, work)
+    if args.only != "memory":
+        measure_speed(data_dir, work, args)
+
+
+if __name__ == "__main__":
+    main()
