@@ -114,8 +114,9 @@ def prepare(cfg: SimpleNamespace) -> None:
 def check_sizes(cfg: SimpleNamespace, make_model: Callable[[int], torch.nn.Module], ranks: int) -> None:
     """Before anything starts: a loader that can read DATASET, at least one global batch of training images, and
     data and model that fit in this machine's memory. Per rank: the uint8 set and its copy on the device
-    (generated images pass through float32 noise first; a streamed or `auto` image folder holds no set), the
-    weights with their gradients, momentum and the two copies a checkpoint makes."""
+    (generated images pass through float32 noise first; an image folder counts only with LOADER=memory: `auto`
+    streams one that would not fit), the weights with their gradients, momentum and the two copies a checkpoint
+    makes."""
     if cfg.LOADER == "stream" and cfg.DATASET != "imagefolder":
         raise UserError(
             f"LOADER='stream' reads image folders; DATASET={cfg.DATASET!r} is held in memory (it fits): use "
@@ -203,6 +204,9 @@ def load(
     if folder and loader == "stream":
         train, test, recorded = stream_image_folder(cfg, dist_info, memory_format, *folder[:3], content)
     else:
+        if folder:  # local rank 0 of each machine decodes an image folder once (finding any damaged file) for all
+            decode = lambda: [image_folder.ensure_decoded(root, cfg.IMAGE_SIZE) for root in folder[0]]  # noqa: E731
+            all_ranks_try(decode if dist_info.local_rank == 0 else None)
         train_set, test_set = read(cfg)
         train, test = (
             loaders.DeviceLoader(s, dist_info.device, cfg.AUGMENT and s is train_set, memory_format)
@@ -230,16 +234,15 @@ def _image_folder(cfg: SimpleNamespace) -> tuple[list[str], list[image_folder.Sa
 
 
 def free_memory(dist_info: DistInfo) -> int:
-    """Bytes a rank may still fill: its GPU's free memory, or on the CPU this machine's available memory shared
-    by its ranks."""
-    if dist_info.device.type == "cuda":
-        return torch.cuda.mem_get_info(dist_info.device)[0]
+    """Bytes a rank may still fill: its share of this machine's available memory, and on GPUs at most its GPU's
+    free memory (the memory loader reads a set into host memory, then moves it to the GPU)."""
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):  # not Linux
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return available // dist_info.local_world_size
+    host = available // dist_info.local_world_size
+    return min(host, torch.cuda.mem_get_info(dist_info.device)[0]) if dist_info.device.type == "cuda" else host
 
 
 def choose_loader(cfg: SimpleNamespace, dist_info: DistInfo, decoded_bytes: int) -> tuple[str, str]:

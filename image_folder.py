@@ -33,7 +33,7 @@ Samples = list[tuple[str, int]]  # (path, label) of every image of a split
 
 
 def decoded(root: str, size: int) -> dict[str, Any]:
-    """The image folder `root` as data.ImageSet's fields: images, labels, classes, mean, std, resized."""
+    """The image folder `root` as data.ImageSet's fields: images, labels, classes, resized."""
     path = ensure_decoded(root, size)
     try:
         return torch.load(path, weights_only=True)
@@ -149,15 +149,21 @@ def _refuse_unreadable(problems: list[str], total: int, root: str) -> None:
 
 def _on_all_cores(job: Any, paths: list[str], size: int) -> list[Any]:
     chunks = [(paths[start : start + DECODE_CHUNK], size) for start in range(0, len(paths), DECODE_CHUNK)]
-    with _decoding_pool(len(chunks)) as pool:
-        return list(pool.map(job, chunks))
+    pool = _decoding_pool(len(chunks))
+    try:
+        with processes.stop_signals_held():  # the pool's processes start as the tasks are handed out
+            results = pool.map(job, chunks)
+        return list(results)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # a stop does not wait for the chunks being decoded
 
 
 def _decoding_pool(chunks: int) -> Executor:
     """Processes on Linux (decoding small images is mostly Python work, which threads cannot share out);
     forked, so that they start at once without importing torch again. A thread elsewhere."""
     if chunks > 1 and cpu_cores() > 1 and sys.platform.startswith("linux"):
-        return ProcessPoolExecutor(min(cpu_cores(), chunks), mp_context=multiprocessing.get_context("fork"))
+        context = multiprocessing.get_context("fork")  # stopping is left to the rank or launcher that forked them
+        return ProcessPoolExecutor(min(cpu_cores(), chunks), context, initializer=quiet_worker, initargs=(0,))
     return ThreadPoolExecutor(1)
 
 
@@ -208,10 +214,12 @@ def decode(path: str, size: int) -> tuple[np.ndarray, bool]:
 class ImageFiles(torch.utils.data.Dataset):
     """A split read from its files: the stream loader's DataLoader workers decode a batch of them at a time. A
     file that cannot be decoded becomes a black image, and its name goes with the batch: the ranks then stop
-    together (data.StreamLoader) instead of one worker's traceback stopping one rank."""
+    together (loaders.StreamLoader) instead of one worker's traceback stopping one rank. Paths and labels are
+    numpy arrays: one block each, which forked workers share (Python lists' reference counts would copy them)."""
 
     def __init__(self, samples: Samples, size: int) -> None:
-        self.paths, self.labels, self.size = [p for p, _ in samples], [label for _, label in samples], size
+        self.paths = np.array([os.fsencode(path) for path, _ in samples])  # bytes: 1 byte per character, not 4
+        self.labels, self.size = np.array([label for _, label in samples], dtype=np.int64), size
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -221,10 +229,10 @@ class ImageFiles(torch.utils.data.Dataset):
         pixels, problems = np.zeros((len(indices), self.size, self.size, 3), np.uint8), []
         for row, index in enumerate(indices):
             try:
-                pixels[row] = decode(self.paths[index], self.size)[0]
+                pixels[row] = decode(os.fsdecode(self.paths[index]), self.size)[0]
             except Exception as e:  # whatever the cause, the file is named
-                problems.append(f"{self.paths[index]} ({first_line(e, 80)})")
-        return torch.from_numpy(pixels), torch.tensor([self.labels[i] for i in indices]), problems
+                problems.append(f"{os.fsdecode(self.paths[index])} ({first_line(e, 80)})")
+        return torch.from_numpy(pixels), torch.from_numpy(self.labels[indices]), problems
 
 
 def whole_batch(batch: Any) -> Any:
@@ -233,13 +241,19 @@ def whole_batch(batch: Any) -> Any:
 
 
 def quiet_worker(worker_id: int) -> None:
-    """A DataLoader worker leaves stopping to its rank (a Ctrl-C reaches every process of the terminal, scancel
-    every process of the job): it ignores the stop signals, ends at SIGTERM without a word and with exit code 0
-    (its rank then reports no failed worker; multiprocessing ends workers so as a rank exits), and dies with
-    its rank, however that ends."""
+    """A worker process (DataLoader's, or a decoding pool's) leaves stopping to the process that forked it, which
+    held the stop signals back while it did (processes.stop_signals_held). A Ctrl-C reaches every process of the
+    terminal and scancel every process of the job: it ignores them, but for SIGTERM, at which it leaves with exit
+    code 0 once its queues are flushed (its rank then sees no failed worker, and multiprocessing ends workers so
+    as a rank exits). It dies with its rank, however that ends."""
     processes.ignore_stop_signals()
-    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
+    signal.signal(signal.SIGTERM, _leave_quietly)
     processes.die_with_parent(None)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, processes.STOP_SIGNALS + (processes.CANCEL_SIGNAL,))
+
+
+def _leave_quietly(signum: int, frame: Any) -> None:
+    raise SystemExit(0)  # through multiprocessing's exit: what the worker was sending is sent whole
 
 
 def channel_statistics(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]  # (images, labels) on the device
 EVAL_BATCH = 1000  # test images per evaluation batch
+STREAM_EVAL_BATCH = 250  # the stream loader's: each of its workers holds a few batches ahead
 
 
 # ----------------------------------------------------------------------------- sharding and augmentation
@@ -126,7 +127,7 @@ class DeviceLoader(Loader):
         memory_format: torch.memory_format = torch.contiguous_format,
     ) -> None:
         super().__init__(device, augment, memory_format, data.images.shape[-1], data.mean, data.std)
-        self.pixels = data.images.permute(0, 2, 3, 1).contiguous().to(device)  # NHWC: a batch is one gather
+        self.pixels = data.images.to(device).permute(0, 2, 3, 1).contiguous()  # NHWC: a batch is one gather
         self.labels = data.labels.to(device)
 
     def __len__(self) -> int:
@@ -148,8 +149,9 @@ class DeviceLoader(Loader):
 
 class StreamLoader(Loader):
     """One split of an image folder, read from its files as training goes: torch's DataLoader, whose worker
-    processes decode batches ahead of the steps (persistent across epochs; pinned memory and copies that overlap
-    the step on GPUs). A file that fails to decode stops every rank at the end of the pass over the split."""
+    processes decode batches ahead of the steps (kept across epochs for training, started for each evaluation;
+    on GPUs in pinned memory, copied without blocking the host). A file that fails to decode stops every rank at
+    the end of the pass over the split."""
 
     def __init__(
         self,
@@ -181,18 +183,20 @@ class StreamLoader(Loader):
         self.sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same one on every rank
         generator = augmentation_generator(self.device, seed, epoch, rank)
         problems: list[str] = []
-        for pixels, labels, unreadable in self.readers["train"]:
+        for pixels, labels, unreadable in batches_of(self.readers["train"]):
             problems += unreadable
             pixels, labels = pixels.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
             yield self.training_batch(pixels, generator), labels
         all_ranks_stop_if_unreadable(problems, len(self), self.root)
 
-    def eval_batches(self, world_size: int, rank: int, batch_size: int = EVAL_BATCH) -> Batches:
+    def eval_batches(self, world_size: int, rank: int, batch_size: int = STREAM_EVAL_BATCH) -> Batches:
         if "eval" not in self.readers:  # no sampler: no image is padded in or left out
             part = torch.tensor_split(torch.arange(len(self)), world_size)[rank].tolist()
-            self.readers["eval"] = file_reader(self.files, batch_size, part, self.workers, self.device)
+            self.readers["eval"] = file_reader(
+                self.files, batch_size, part, self.workers, self.device, persistent=False
+            )
         problems: list[str] = []
-        for pixels, labels, unreadable in self.readers["eval"]:
+        for pixels, labels, unreadable in batches_of(self.readers["eval"]):
             problems += unreadable
             yield self.normalise(pixels.to(self.device, non_blocking=True)), labels.to(self.device, non_blocking=True)
         all_ranks_stop_if_unreadable(problems, len(self), self.root)
@@ -226,13 +230,22 @@ def file_reader(
     )
 
 
+def batches_of(reader: DataLoader) -> Iterator:
+    """The reader's batches; the worker processes it forks for a pass start with the stop signals held back."""
+    with processes.stop_signals_held():
+        batches = iter(reader)
+    yield from batches
+
+
 def sample_statistics(
     files: image_folder.ImageFiles, root: str, dist_info: DistInfo, workers: int
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Channel statistics of image_folder.statistics_sample, each rank decoding its share of it."""
     part = image_folder.statistics_sample(len(files))[dist_info.rank :: dist_info.world_size]
     sums, problems = torch.zeros(3, 3, dtype=torch.int64), []
-    for pixels, _, unreadable in file_reader(files, 256, part, workers, torch.device("cpu"), persistent=False):
+    for pixels, _, unreadable in batches_of(
+        file_reader(files, 256, part, workers, torch.device("cpu"), persistent=False)
+    ):
         sums, problems = sums + image_folder.pixel_sums(pixels), problems + unreadable
     all_ranks_stop_if_unreadable(problems, len(files), root)
     sums = sums.to(dist_info.device)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import connection, resource_tracker
 from typing import Any
 
@@ -285,6 +285,18 @@ def handle_stop_signals() -> None:
 def finished() -> None:
     """This rank's work is done and its files are written: a stop signal from now on changes nothing."""
     _finished.append(True)
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Stop signals held back while the block runs: a process forked in it starts with them blocked until it
+    has set up its own handling (image_folder.quiet_worker), and this process gets any that came meanwhile as
+    the block ends."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, (*STOP_SIGNALS, CANCEL_SIGNAL))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def ignore_stop_signals() -> None:

@@ -5,14 +5,17 @@
 
 memory  The peak memory of a whole run, launcher, ranks and DataLoader workers together: the sum of their PSS
         (/proc/PID/smaps_rollup, shared pages split between the processes that share them), sampled every 0.1 s
-        while `python train_distribute.py` trains 2 epochs at width 8 on 2,000 and on 8,000 training images of
+        while `python train_distribute.py` trains an epoch at width 4 on 2,000 and on 8,000 training images of
         DIR resized to 96x96 and saved again as JPEGs (quality 90), with 500 test images; once per loader. The
         memory loader's decoded cache is built before its runs (once per machine, not what a run holds).
 speed   Training images/s of 2 ranks (--world_size) at width 64 (32x32 images) and width 8 (32x32 and 96x96): stream,
         memory and the seed's pipeline (torchvision's ImageFolder, ToTensor and Normalize per image, a DataLoader
         with a DistributedSampler and no workers, as the seed has it), each with the project's training step;
-        and the share of the time each step waits for its batch (the rest: the step, forward to optimizer).
-        The images: the first --images of DIR/train (32x32), and the 96x96 copies of the memory part.
+        and the share of that time spent waiting for DataLoader batches (the stream loader's workers, the seed's
+        in-process decoding; the memory loader has none). Crops, flips and normalisation count as the step's:
+        both loaders do them on the device alike (the seed's pipeline has none). The images: the first --images
+        of DIR/train as they are (32x32) or resized to 96x96. Each run lasts about --seconds; each pipeline runs
+        --repeats times, in turns, and the fastest run counts (the machine disturbs the others more).
 """
 
 import argparse
@@ -22,7 +25,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from itertools import zip_longest
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import config  # noqa: E402
 import distribute_tools  # noqa: E402
 import image_folder  # noqa: E402
+import loaders  # noqa: E402
 import train_distribute as td  # noqa: E402
 from distribute_tools import process_group, run_distribute  # noqa: E402
 
@@ -44,8 +51,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "loader-benchmark"), help="copies")
     parser.add_argument("--only", choices=("memory", "speed"), help="one of the two measurements")
     parser.add_argument("--images", type=int, default=5_120, help="training images of the speed runs")
-    parser.add_argument("--batch_size", type=int, default=256, help="global batch of the speed runs")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per speed run, after 3 untimed ones")
+    parser.add_argument("--batch_size", type=int, default=128, help="global batch of the speed runs")
+    parser.add_argument("--seconds", type=float, default=20, help="timed seconds per speed run (3 untimed steps first)")
+    parser.add_argument("--repeats", type=int, default=2, help="speed runs per pipeline, in turns; the best counts")
     parser.add_argument("--runs", nargs="+", default=["64x32", "8x32", "8x96"], help="speed runs: WIDTHxSIZE")
     parser.add_argument("--pipelines", nargs="+", choices=PIPELINES, default=list(PIPELINES))
     parser.add_argument("--world_size", type=int, default=2, help="ranks of the speed runs (GPUs: one per GPU)")
@@ -56,25 +64,28 @@ def parse_args() -> argparse.Namespace:
 
 
 def copy_of(data_dir: Path, work: Path, train: int, test: int, size: int) -> Path:
-    """The first `train` and `test` images of data_dir (round robin over the classes), linked (size 0: as they
-    are) or resized to size x size and saved again as JPEGs; made once."""
+    """The first `train` and `test` images of data_dir (in turns over the classes), linked (size 0: as they are)
+    or resized to size x size and saved again as JPEGs; made once (in a temporary folder, then renamed)."""
     from PIL import Image
 
     target = work / f"{train}-{test}-{size or 'as-is'}"
-    if (target / "done").exists():
+    if target.exists():
         return target
+    work.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=work))
     for split, count in (("train", train), ("test", test)):
-        classes = sorted(p for p in (data_dir / split).iterdir() if p.is_dir())
-        files = [sorted(c.iterdir()) for c in classes]
-        for i in range(count):
-            source = files[i % len(classes)][i // len(classes)]
-            destination = target / split / source.parent.name / source.name
+        files = [sorted(c.iterdir()) for c in sorted(p for p in (data_dir / split).iterdir() if p.is_dir())]
+        in_turns = [f for group in zip_longest(*files) for f in group if f is not None][:count]
+        if len(in_turns) < count:
+            sys.exit(f"{data_dir / split} holds {len(in_turns)} images, fewer than the {count} this benchmark needs")
+        for source in in_turns:
+            destination = partial / split / source.parent.name / source.name
             destination.parent.mkdir(parents=True, exist_ok=True)
             if size:
                 Image.open(source).convert("RGB").resize((size, size), Image.BILINEAR).save(destination, quality=90)
             else:
                 destination.symlink_to(source)
-    (target / "done").write_text("")
+    partial.rename(target)
     return target
 
 
@@ -110,7 +121,7 @@ def tree_pss_kb(root: int) -> int:
 
 def peak_memory_mb(folder: Path, loader: str, out: Path) -> float:
     command = [sys.executable, str(ROOT / "train_distribute.py"), "--dataset=imagefolder", f"--data_dir={folder}",
-               f"--loader={loader}", "--image_size=96", "--width=8", "--batch_size=64", "--epochs=2",
+               f"--loader={loader}", "--image_size=96", "--width=4", "--batch_size=64", "--epochs=1",
                "--world_size=2", f"--output_dir={out}", "--resume=False"]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     peak = 0
@@ -139,7 +150,31 @@ def measure_memory(data_dir: Path, work: Path) -> dict:
 # ----------------------------------------------------------------------------- speed
 
 
-def seed_batches(folder: Path, local_batch: int, info: distribute_tools.DistInfo):
+class TimedBatches:
+    """A DataLoader whose every batch is timed: the seconds a rank waits for its workers (or, without workers,
+    for the decoding in its own process)."""
+
+    seconds = 0.0  # of every TimedBatches of this process, since the last reset
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        batches = iter(self.loader)
+        while True:
+            asked = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            TimedBatches.seconds += time.perf_counter() - asked
+            yield batch
+
+
+def seed_batches(folder: Path, local_batch: int, info: distribute_tools.DistInfo) -> Iterator:
     """The seed's pipeline on an image folder: per image PIL -> ToTensor -> Normalize, no workers."""
     import torchvision.transforms as T
     from torch.utils.data import DataLoader
@@ -149,60 +184,72 @@ def seed_batches(folder: Path, local_batch: int, info: distribute_tools.DistInfo
     normalise = T.Normalize((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010))
     dataset = ImageFolder(str(folder / "train"), T.Compose([T.ToTensor(), normalise]))  # the files are size x size
     sampler = DistributedSampler(dataset, info.world_size, info.rank, shuffle=True, seed=0, drop_last=True)
-    for x, y in DataLoader(dataset, local_batch, sampler=sampler, num_workers=0, drop_last=True):
+    for x, y in TimedBatches(DataLoader(dataset, local_batch, sampler=sampler, num_workers=0, drop_last=True)):
         yield x.to(info.device).contiguous(memory_format=torch.channels_last), y.to(info.device)
 
 
-def speed_worker(rank: int, world_size: int, argv: list, pipeline: str, steps: int, result: str) -> None:
-    """Untimed steps, then `steps` timed ones: images/s and the seconds spent waiting for batches."""
+def speed_worker(rank: int, world_size: int, argv: list, pipeline: str, seconds: float, result: str) -> None:
+    reader = loaders.file_reader
+    loaders.file_reader = lambda *args, **kwargs: TimedBatches(reader(*args, **kwargs))
     with process_group(rank, world_size) as info:
-        cfg = config.read_config(td.__file__, argv)
-        run = td.build_run(cfg, info, launched_at=time.time())
-        local = cfg.BATCH_SIZE // world_size
-        if pipeline == "seed":
-            batches = seed_batches(Path(cfg.DATA_DIR), local, info)
-        else:
-            batches = run.train_data.train_batches(cfg.BATCH_SIZE, world_size, rank, cfg.SEED, epoch=1)
-        sums, loss_fn, waited = torch.zeros(3, device=info.device), td.loss_function(cfg), 0.0
-        for step in range(3 + steps):
-            if step == 3:
-                distribute_tools.synchronize(info.device)
-                started, waited = time.perf_counter(), 0.0
-            asked = time.perf_counter()
+        facts = timed_steps(config.read_config(td.__file__, argv), info, pipeline, seconds)
+        if info.is_main:
+            Path(result).write_text(json.dumps(facts))
+
+
+def timed_steps(cfg: Any, info: distribute_tools.DistInfo, pipeline: str, seconds: float) -> dict:
+    """3 untimed steps, then as many as fill about `seconds`: images/s, and the share of that time spent waiting
+    for DataLoader batches (crops, flips and normalisation are the step's, on either loader). The run ends with
+    this call, before the group is left."""
+    run = td.build_run(cfg, info, launched_at=time.time())
+    if pipeline == "seed":
+        batches = seed_batches(Path(cfg.DATA_DIR), cfg.BATCH_SIZE // info.world_size, info)
+    else:
+        batches = run.train_data.train_batches(cfg.BATCH_SIZE, info.world_size, info.rank, cfg.SEED, epoch=1)
+    sums, loss_fn = torch.zeros(3, device=info.device), td.loss_function(cfg)
+
+    def steps(count: int) -> float:
+        distribute_tools.synchronize(info.device)
+        started, TimedBatches.seconds = time.perf_counter(), 0.0
+        for _ in range(count):
             x, y = next(batches)
-            waited += time.perf_counter() - asked
             td.train_step(run, x, y, 0.1, loss_fn, sums)
         distribute_tools.synchronize(info.device)
-        seconds = time.perf_counter() - started
-        facts = torch.tensor([seconds, waited], dtype=torch.float64, device=info.device)
-        torch.distributed.all_reduce(facts, op=torch.distributed.ReduceOp.MAX)
-        if info.is_main:
-            Path(result).write_text(json.dumps({"images_per_second": steps * cfg.BATCH_SIZE / facts[0].item(),
-                                                "wait_share": facts[1].item() / facts[0].item()}))  # fmt: skip
-        del run, batches
+        return time.perf_counter() - started
+
+    count = torch.tensor([max(3, min(run.steps_per_epoch - 3, round(3 * seconds / steps(3))))], device=info.device)
+    torch.distributed.broadcast(count, src=0)  # every rank takes as many steps
+    facts = torch.tensor([steps(int(count.item())), TimedBatches.seconds], dtype=torch.float64, device=info.device)
+    torch.distributed.all_reduce(facts, op=torch.distributed.ReduceOp.MAX)
+    speed = int(count.item()) * cfg.BATCH_SIZE / facts[0].item()
+    return {"images_per_second": speed, "wait_share": facts[1].item() / facts[0].item()}
 
 
 def measure_speed(data_dir: Path, work: Path, args: argparse.Namespace) -> dict:
+    """Each pipeline --repeats times, in turns; the fastest of each (the one least disturbed by the machine)."""
     runs = [tuple(int(n) for n in run.split("x")) for run in args.runs]  # (width, image size)
     folders = {size: copy_of(data_dir, work, args.images, 500, 0 if size == 32 else size) for _, size in runs}
-    results = {}
+    results: dict[tuple, dict] = {}
     for width, size in runs:
         build_caches(folders[size], size)
-        for pipeline in args.pipelines:
+        for _, pipeline in sorted((repeat, p) for repeat in range(args.repeats) for p in args.pipelines):
             argv = ["--dataset=imagefolder", f"--data_dir={folders[size]}", f"--image_size={size}",
                     f"--width={width}", f"--batch_size={args.batch_size}", f"--world_size={args.world_size}",
                     f"--loader={'memory' if pipeline == 'seed' else pipeline}"]  # fmt: skip
             with tempfile.NamedTemporaryFile(suffix=".json") as result:
-                if run_distribute(speed_worker, args.world_size, argv, pipeline, args.steps, result.name) != 0:
+                if run_distribute(speed_worker, args.world_size, argv, pipeline, args.seconds, result.name) != 0:
                     sys.exit(f"the {pipeline} run at width {width}, {size}x{size} failed")
-                results[(width, size, pipeline)] = json.loads(Path(result.name).read_text())
-    print(f"\ntraining images/s (share of each step spent waiting for its batch), {args.world_size} rank(s), "
-          f"global batch {args.batch_size}")  # fmt: skip
+                measured = json.loads(Path(result.name).read_text())
+            best = results.get((width, size, pipeline))
+            if best is None or measured["images_per_second"] > best["images_per_second"]:
+                results[(width, size, pipeline)] = measured
+    print(f"\ntraining images/s (share of the time spent waiting for DataLoader batches), {args.world_size} rank(s), "
+          f"global batch {args.batch_size}, best of {args.repeats}")  # fmt: skip
     ratio = "stream/memory" if {"stream", "memory"} <= set(args.pipelines) else ""
     print(f"{'width, size':14}" + "".join(f"{p:>18}" for p in args.pipelines) + f"{ratio:>15}")
     for width, size in runs:
         cells = {p: results[(width, size, p)] for p in args.pipelines}
-        line = "".join(f"{c['images_per_second']:10,.0f} ({c['wait_share']:4.0%})" for c in cells.values())
+        line = "".join(f"{c['images_per_second']:10,.1f} ({c['wait_share']:5.1%})" for c in cells.values())
         if ratio:
             line += f"{cells['stream']['images_per_second'] / cells['memory']['images_per_second']:15.2f}"
         print(f"{width:>5}, {size}x{size:<5}{line}")

@@ -55,6 +55,7 @@ CASES = {
         "only in train/: bird; only in test/: frog",
     ),
     "cifar10_other_size": (["--dataset=cifar10", "--image_size=64"], "CIFAR-10's images are 32x32"),
+    "stream_of_generated_images": (SMALL + ["--loader=stream"], "LOADER='stream' reads image folders; DATASET="),
     "output_dir_is_file": (
         SMALL + ["--output_dir={tmp}/a_file"],
         "OUTPUT_DIR {tmp}/a_file cannot be a folder: {tmp}/a_file is a file",

@@ -111,10 +111,10 @@ def widths_worker(rank: int, world_size: int, widths: list, settings: list, out:
             Path(out).write_text(json.dumps(finished))
 
 
-def train_and_evaluate(cfg: SimpleNamespace, info: distribute_tools.DistInfo) -> dict:
-    """An epoch and an evaluation; the run ends with this call, before the group is left (see one_variant).
-    Returns what the run recorded of its data."""
-    run = td.build_run(cfg, info, launched_at=time.time())
+def train_and_evaluate(cfg: SimpleNamespace, info: distribute_tools.DistInfo, run: td.Run | None = None) -> dict:
+    """An epoch and an evaluation; the run ends with this call, before the group is left (see one_variant),
+    unless it was given. Returns what the run recorded of its data."""
+    run = run or td.build_run(cfg, info, launched_at=time.time())
     (loss_sum, _, images), _, _ = td.train_epoch(run, epoch=1)
     _, acc = td.evaluate(run)
     assert loss_sum / images > 0 and 0 <= acc <= 1
@@ -126,9 +126,18 @@ def loaders_worker(rank: int, world_size: int, argvs: list, memory_share: float,
     which loader each run used and the statistics it normalised with."""
     data.MEMORY_SHARE = memory_share
     with distribute_tools.process_group(rank, world_size, 120) as info:
-        chosen = [train_and_evaluate(read_config(argv), info) for argv in argvs]
+        chosen = [loader_facts(read_config(argv), info) for argv in argvs]
         if info.is_main:
             Path(out).write_text(json.dumps(chosen))
+
+
+def loader_facts(cfg: SimpleNamespace, info: distribute_tools.DistInfo) -> dict:
+    """What the run recorded of its data, after an epoch and an evaluation; and the sum of this rank's
+    normalised test images as the loader gives them. The run ends with this call, before the group is left."""
+    run = td.build_run(cfg, info, launched_at=time.time())
+    recorded = train_and_evaluate(cfg, info, run)
+    pixels = sum(x.double().sum().item() for x, _ in run.test_data.eval_batches(info.world_size, info.rank))
+    return {**recorded, "test_pixels": pixels}
 
 
 def stream_order_worker(rank: int, world_size: int, argv: list, out: str) -> None:
