@@ -33,6 +33,7 @@ EXIT_USER_ERROR = 2  # a problem the user can fix, reported in one line (as argp
 EXIT_PREEMPTED = 75  # SIGTERM or SIGUSR1, a scheduler's stop or warning: resumable (sysexits' EX_TEMPFAIL)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report it
 EXIT_PORT_TAKEN = 4  # rank 0 lost the free port it was given to another program: the launcher tries another
+EXIT_PEER_LOST = 3  # a spawned rank stopped because another failed: the launcher names the other one (run: 1)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 CANCEL_SIGNAL = signal.SIGUSR2  # the launcher's "another rank failed: finish your files and leave quietly"
 GRACE_SECONDS = 30  # how long a rank may take to finish its files once asked to stop, before it is killed
@@ -167,9 +168,12 @@ def _explain(codes: dict[int, int], forwarded: int) -> int:
         return 0  # every rank finished; a signal that came afterwards changes nothing
     if forwarded:  # rank 0 said what was kept
         return EXIT_INTERRUPTED if forwarded == signal.SIGINT else EXIT_PREEMPTED
-    rank, code = next((rank, code) for rank, code in codes.items() if code != 0)
+    # ranks that end within one poll are listed in rank order: a rank that only lost its peer is not the cause
+    failed = [(rank, code) for rank, code in codes.items() if code != 0]
+    rank, code = next(((r, c) for r, c in failed if c != EXIT_PEER_LOST), failed[0])
     if code in (EXIT_USER_ERROR, EXIT_PORT_TAKEN, EXIT_PREEMPTED, EXIT_INTERRUPTED):
         return code
+    code = 1 if code == EXIT_PEER_LOST else code
     how = f"exited with code {code}" if code > 0 else f"was killed by {signal.Signals(-code).name}"
     hint = " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if code == -signal.SIGKILL else ""
     kept = f"; {_kept_files[0]()}" if _kept_files else ""
@@ -228,9 +232,9 @@ def report(error: BaseException, rank: int) -> int:
         return EXIT_PORT_TAKEN
     if any(text in str(error) for text in PEER_LOST):
         print_error(f"[rank {rank}] stopped: another rank failed or was stopped ({first_line(error)})")
-    else:
-        lines = [f"failed with {type(error).__name__}:", *traceback.format_exception(error)]
-        print_error("\n".join(f"[rank {rank}] {line}" for text in lines for line in text.rstrip().splitlines()))
+        return EXIT_PEER_LOST if _launcher_pid else 1
+    lines = [f"failed with {type(error).__name__}:", *traceback.format_exception(error)]
+    print_error("\n".join(f"[rank {rank}] {line}" for text in lines for line in text.rstrip().splitlines()))
     return 1
 
 

@@ -183,3 +183,11 @@ def test_a_rank_whose_launcher_is_already_gone_leaves_at_once():
     """The launcher can die between starting a rank and the rank asking to die with it."""
     result = call("tests.workers:die_with_parent_1")
     assert result.returncode == processes.EXIT_PREEMPTED and "still here" not in result.stdout
+
+
+def test_the_launcher_names_the_rank_that_failed_and_not_one_that_lost_its_peer(capsys):
+    """Ranks that end within one poll of the launcher come in rank order: rank 0, stopped because rank 1 failed,
+    must not be the one named."""
+    assert processes._explain({0: processes.EXIT_PEER_LOST, 1: 1}, 0) == 1
+    assert capsys.readouterr().err.startswith("error: rank 1 exited with code 1; stopped the other ranks")
+    assert processes._explain({0: processes.EXIT_PEER_LOST, 1: processes.EXIT_USER_ERROR}, 0) == 2
