@@ -213,7 +213,7 @@ def load(
             for s in (train_set, test_set)
         )
         recorded = record(train_set, test_set, content)
-    workers = f", {recorded.pop('workers')} worker(s) per rank" if "workers" in recorded else ""
+    workers = f", {train.workers} worker(s) per rank" if isinstance(train, loaders.StreamLoader) else ""
     recorded.update(loader=how + workers, skipped=folder[3] if folder else 0)
     everyone: list[Any] = [None] * dist_info.world_size
     dist.all_gather_object(everyone, recorded["identity"])
@@ -249,13 +249,14 @@ def choose_loader(cfg: SimpleNamespace, dist_info: DistInfo, decoded_bytes: int)
     """ "memory" or "stream", and the first line's words for it; decided alike on every rank, from the smallest
     free memory of any rank. `auto` holds an image folder in memory while its decoded images take at most
     MEMORY_SHARE of that (they are held twice while they are laid out, and the network needs room too)."""
-    free = torch.tensor([free_memory(dist_info)], dtype=torch.float64, device=dist_info.device)
-    dist.all_reduce(free, op=dist.ReduceOp.MIN)  # DDP: every rank decides alike
-    figures = f"{decoded_bytes / 2**30:,.2f} GB of decoded images, {free.item() / 2**30:,.1f} GB free per rank"
+    smallest = torch.tensor([free_memory(dist_info)], dtype=torch.float64, device=dist_info.device)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)  # DDP: every rank decides alike
+    free = smallest.item()
+    figures = f"{decoded_bytes / 2**30:,.2f} GB of decoded images, {free / 2**30:,.1f} GB free per rank"
     streams = cfg.LOADER == "stream" or (
-        cfg.LOADER == "auto" and cfg.DATASET == "imagefolder" and decoded_bytes > MEMORY_SHARE * free.item()
+        cfg.LOADER == "auto" and cfg.DATASET == "imagefolder" and decoded_bytes > MEMORY_SHARE * free
     )
-    if not streams and decoded_bytes > free.item():
+    if not streams and decoded_bytes > free:
         fix = "use --loader stream" if cfg.DATASET == "imagefolder" else "lower --synthetic_size or --image_size"
         raise UserError(f"the data set does not fit in a rank's memory ({figures}); {fix}")
     chosen = "stream" if streams else "memory"
@@ -288,7 +289,7 @@ def stream_image_folder(
     size = cfg.IMAGE_SIZE
     recorded = {"identity": identity(len(train), len(test), size, content), "classes": classes, "mean": mean}
     recorded.update(std=std, image_size=size, resized=0)  # resized images are counted by the memory path only
-    return train, test, {**recorded, "workers": workers}
+    return train, test, recorded
 
 
 def read(cfg: SimpleNamespace) -> tuple[ImageSet, ImageSet]:
