@@ -227,11 +227,19 @@ def check_against_machine(cfg: SimpleNamespace, world_size: int, gpus: int) -> N
         raise UserError("SYNC_BN=True needs GPUs (torch's SyncBatchNorm runs on CUDA only); use --sync_bn False")
 
 
-def check_resume(saved: dict[str, Any], cfg: SimpleNamespace) -> None:
+def check_resume(saved: dict[str, Any], cfg: SimpleNamespace, restarted_by: str = "") -> None:
     """A resumed run continues the same run: every setting outside FREE_ON_RESUME as the checkpoint's. A setting
-    added since the checkpoint was written counts as its default there."""
+    added since the checkpoint was written counts as its default there. `restarted_by`: what made this start a
+    restart (torchrun's or SLURM's count), which resumes by itself: the user set no RESUME, and cannot start anew."""
     for name, value in vars(cfg).items():
         was = saved.get(name, DEFAULTS.get(name))
+        if name not in FREE_ON_RESUME and was != value and restarted_by:
+            raise UserError(
+                f"this start is a restart ({restarted_by}) of the run in {cfg.OUTPUT_DIR}, whose checkpoint has "
+                f"{name}={was!r} where the settings now say {value!r} (the script or the command changed since the "
+                f"run began); set {name} back to {was!r} to continue it, or end the job and start a new run in "
+                f"another --output_dir"
+            )
         if name not in FREE_ON_RESUME and was != value:
             raise UserError(
                 f"RESUME=True but {name}={value!r} differs from the checkpoint's {was!r}; "

@@ -13,6 +13,7 @@ import pickle
 import socket
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -165,10 +166,17 @@ def download_cifar10(data_dir: str, timeout_s: float = 60.0) -> None:
     if os.path.exists(data_dir) and not os.path.isdir(data_dir):
         raise UserError(f"DATA_DIR {data_dir} is a file; point --data_dir at a folder (CIFAR-10 is downloaded there)")
     archive, previous = os.path.join(data_dir, CIFAR_ARCHIVE), socket.getdefaulttimeout()
-    os.makedirs(data_dir, exist_ok=True)
-    socket.setdefaulttimeout(timeout_s)  # torchvision's download sets no timeout of its own
     try:
-        with outputs.lock_file(os.path.join(data_dir, ".cifar10.lock")):
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as e:  # a read-only checkout with the default ./data, say
+        raise UserError(
+            f"DATA_DIR {data_dir} cannot be created ({e.strerror}); point --data_dir at a writable folder, where "
+            f"CIFAR-10 is downloaded"
+        ) from None
+    socket.setdefaulttimeout(timeout_s)  # torchvision's download sets no timeout of its own
+    writable = os.access(data_dir, os.W_OK)  # a read-only shared copy is only read: no lock needed, none possible
+    try:
+        with outputs.lock_file(os.path.join(data_dir, ".cifar10.lock")) if writable else nullcontext():
             if os.path.exists(archive) and not check_integrity(archive, CIFAR10.tgz_md5):
                 raise UserError(
                     f"{archive} is corrupt (its checksum is wrong); delete it and rerun to download it again, "
@@ -178,9 +186,10 @@ def download_cifar10(data_dir: str, timeout_s: float = 60.0) -> None:
     except UserError:
         raise
     except Exception as e:
+        offline = f"on an offline machine copy {CIFAR_ARCHIVE} into {data_dir}/ by hand and rerun"
+        fix = offline if writable else "it is read-only: point --data_dir at a writable folder, or one that holds it"
         raise UserError(
-            f"could not download CIFAR-10 into {data_dir} ({first_line(e)}); on an offline machine copy "
-            f"{CIFAR_ARCHIVE} into {data_dir}/ by hand and rerun, or use --dataset imagefolder"
+            f"could not download CIFAR-10 into {data_dir} ({first_line(e)}); {fix}, or use --dataset imagefolder"
         ) from None
     finally:
         socket.setdefaulttimeout(previous)

@@ -10,8 +10,10 @@ Both decode an image the same way (`decode`), so a run may switch between them o
 import hashlib
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import warnings
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
@@ -46,8 +48,8 @@ def check_same_classes(data_dir: str, train: list[str], test: list[str]) -> None
         only = {"train": sorted(set(train) - set(test)), "test": sorted(set(test) - set(train))}
         parts = "; ".join(f"only in {split}/: {', '.join(names)}" for split, names in only.items() if names)
         raise UserError(
-            f"{data_dir}/train and {data_dir}/test hold different class folders ({parts}); give both the same "
-            f"class folders"
+            f"{data_dir}/train and {data_dir}/test hold different class folders ({parts}); every class needs "
+            f"images in both: add the missing class folders with some images, or move the class out of both"
         )
 
 
@@ -73,8 +75,9 @@ def list_images(root: str) -> tuple[list[str], Samples, int]:
         skipped += len(entries) - len(files)
         if not files:
             raise UserError(
-                f"{os.path.join(root, name)} holds no images ({', '.join(IMAGE_EXTENSIONS[:3])}, ...); put the "
-                f"class's images in it or remove the folder"
+                f"{os.path.join(root, name)} holds no images ({', '.join(IMAGE_EXTENSIONS[:3])}, ...); every class "
+                f"needs images in both train/ and test/: put some of the class's images in it, or move the class "
+                f"out of both"
             )
         samples += [(os.path.join(root, name, f), label) for f in files]
     broken = [path for path, _ in samples if not os.path.exists(path)]
@@ -108,12 +111,17 @@ def ensure_decoded(root: str, size: int) -> str:
     file. The cache is keyed by the image size and every file's path, size and modification time; the first
     process decodes (under a file lock: the other ranks and machines sharing the folder wait instead)."""
     classes, samples, _ = list_images(root)
-    path = _cache_path(root, _cache_key(root, size, classes, samples))
-    with outputs.lock_file(os.path.join(os.path.dirname(path), f"{os.path.basename(root)}.lock")):
-        if not os.path.exists(path):  # written by a rename: if it is there, it is whole
+    name, folders = f"{os.path.basename(root)}-{_cache_key(root, size, classes, samples)}.pt", _cache_folders(root)
+    for path in [os.path.join(folder, name) for folder in folders]:
+        if os.path.exists(path):  # written by a rename: if it is there, it is whole (and read-only is enough)
+            return path
+    folder = _folder_for_cache(folders, root, len(samples) * 3 * size * size)
+    path = os.path.join(folder, name)
+    with outputs.lock_file(os.path.join(folder, f"{os.path.basename(root)}.lock")):
+        if not os.path.exists(path):
             images, resized = decode_images([p for p, _ in samples], root, size)
             labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
-            _write_cache(path, {"images": images, "labels": labels, "classes": classes, "resized": resized})
+            _write_cache(path, {"images": images, "labels": labels, "classes": classes, "resized": resized}, root)
     return path
 
 
@@ -129,9 +137,18 @@ def decode_images(paths: list[str], root: str, size: int) -> tuple[torch.Tensor,
 
 def check_headers(root: str) -> None:
     """Open every image of the folder `root` as far as its header, on all cores (the stream loader's check before
-    training, a fraction of a full decode); unreadable files are named in one UserError."""
+    training, a fraction of a full decode); unreadable files are named in one UserError. Pillow's warnings (a
+    huge image, odd metadata) are one line naming the first file: those images are used."""
     paths = [path for path, _ in list_images(root)[1]]
-    _refuse_unreadable([p for chunk in _on_all_cores(_header_chunk, paths, 0) for p in chunk], len(paths), root)
+    chunks = _on_all_cores(_header_chunk, paths, 0)
+    _refuse_unreadable([problem for problems, _ in chunks for problem in problems], len(paths), root)
+    warned = [warning for _, warnings_of_chunk in chunks for warning in warnings_of_chunk]
+    if warned:
+        print(
+            f"warning: Pillow warned about {len(warned)} of {len(paths):,} images in {root} as it opened them, "
+            f"first {warned[0]}; they are used as Pillow decodes them",
+            flush=True,
+        )
 
 
 def unreadable(problems: list[str], total: int, root: str) -> str:
@@ -183,28 +200,35 @@ def _decode_chunk(job: tuple[list[str], int]) -> tuple[bytes, list[str], int]:
     return b"".join(pixels), problems, resized
 
 
-def _header_chunk(job: tuple[list[str], int]) -> list[str]:
-    problems = []
+def _header_chunk(job: tuple[list[str], int]) -> tuple[list[str], list[str]]:
+    """ "path (reason)" of each file whose header cannot be read, and "path (warning)" of each Pillow warned about
+    (recorded, never raised: PYTHONWARNINGS=error must not make an image unreadable)."""
+    problems, warned = [], []
     for path in job[0]:
-        try:
-            with Image.open(path) as image:
-                image.size  # noqa: B018  (read from the header)
-        except Exception as e:
-            problems.append(f"{path} ({first_line(e, 80)})")
-    return problems
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with Image.open(path) as image:
+                    image.size  # noqa: B018  (read from the header)
+            except Exception as e:
+                problems.append(f"{path} ({first_line(e, 80)})")
+        warned += [f"{path} ({str(w.message).strip()[:80]})" for w in caught[:1]]
+    return problems, warned
 
 
 def decode(path: str, size: int) -> tuple[np.ndarray, bool]:
     """The image file `path` as size x size x 3 uint8 RGB (stretched to the square, antialiased, if it is not),
     and whether it was resized. 16-bit grey keeps its levels (Pillow's RGB conversion clips them to white);
     palette images go through RGBA (their transparency, otherwise a warning)."""
-    with Image.open(path) as image:
-        if image.mode in SIXTEEN_BIT:
-            levels = np.asarray(image).astype(np.float64).clip(0, 65535) / 257  # 0..65535 -> 0..255
-            image = Image.fromarray(levels.round().astype(np.uint8), "L")
-        elif image.mode in ("P", "PA"):
-            image = image.convert("RGBA")
-        image = image.convert("RGB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # named once by check_headers; never an error (PYTHONWARNINGS=error)
+        with Image.open(path) as image:
+            if image.mode in SIXTEEN_BIT:
+                levels = np.asarray(image).astype(np.float64).clip(0, 65535) / 257  # 0..65535 -> 0..255
+                image = Image.fromarray(levels.round().astype(np.uint8), "L")
+            elif image.mode in ("P", "PA"):
+                image = image.convert("RGBA")
+            image = image.convert("RGB")
     resized = image.size != (size, size)
     if resized:
         image = image.resize((size, size), Image.BILINEAR)
@@ -286,24 +310,51 @@ def _cache_key(root: str, size: int, classes: list[str], samples: list[tuple[str
     return digest.hexdigest()[:16]
 
 
-def _cache_path(root: str, key: str) -> str:
-    """Beside the data (DATA_DIR/.decoded/) where that is writable, else in the user's cache folder."""
-    folder = os.path.join(os.path.dirname(os.path.abspath(root)), ".decoded")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        if not os.access(folder, os.W_OK):
-            raise OSError
-    except OSError:
-        user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        folder = os.path.join(user_cache, "resnet-ddp", hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:12])
-        os.makedirs(folder, exist_ok=True)
-    return os.path.join(folder, f"{os.path.basename(root)}-{key}.pt")
+def _cache_folders(root: str) -> list[str]:
+    """Where the decoded copy of `root` may be: beside the data (DATA_DIR/.decoded/), else in the user's cache
+    folder (XDG_CACHE_HOME, or ~/.cache where there is a home)."""
+    folders = [os.path.join(os.path.dirname(os.path.abspath(root)), ".decoded")]
+    user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    if os.path.isabs(user_cache):  # "~" stays "~" without HOME or an entry in the user database
+        folders.append(
+            os.path.join(user_cache, "resnet-ddp", hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:12])
+        )
+    return folders
 
 
-def _write_cache(path: str, content: dict) -> None:
-    """Atomically, replacing the caches of earlier versions of the folder."""
+def _folder_for_cache(folders: list[str], root: str, size: int) -> str:
+    """The first of `folders` that can be written and has room for a copy of `size` bytes (and 64 MB to spare)."""
+    reasons = []
+    for folder in folders:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            free = shutil.disk_usage(folder).free if os.access(folder, os.W_OK) else -1
+        except OSError as e:
+            free = e.strerror
+        if not isinstance(free, int) or free < 0:
+            reasons.append(f"{folder}: {free if isinstance(free, str) else 'not writable'}")
+            continue
+        if free >= size + 2**26:
+            return folder
+        reasons.append(f"{folder}: {free / 2**20:,.0f} MB free, {(size + 2**26) / 2**20:,.0f} MB needed")
+    raise UserError(
+        f"no folder can take the decoded copy of {root} that the memory loader reads ({'; '.join(reasons)}); free "
+        f"space, set XDG_CACHE_HOME to a writable folder with room, or use --loader stream, which needs no copy"
+    )
+
+
+def _write_cache(path: str, content: dict, root: str) -> None:
+    """Atomically, replacing the caches of earlier versions of the folder. A failed write is one line."""
     split, folder = os.path.basename(path).rsplit("-", 1)[0], os.path.dirname(path)
-    for name in os.listdir(folder):
-        if name.startswith(f"{split}-") and name.endswith(".pt"):
-            os.remove(os.path.join(folder, name))
-    outputs.write_atomically(path, lambda temporary: torch.save(content, temporary))
+    try:
+        for name in os.listdir(folder):
+            if name.startswith(f"{split}-") and name.endswith(".pt"):
+                os.remove(os.path.join(folder, name))
+        outputs.write_atomically(path, lambda temporary: torch.save(content, temporary))
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "iostream error"
+        full = shutil.disk_usage(folder).free < 2**26
+        reason = "No space left on device" if full else getattr(e, "strerror", None) or first_line(e, 80)
+        raise UserError(
+            f"could not write the decoded copy of {root} to {path} ({reason}); free space there, set XDG_CACHE_HOME "
+            f"to a folder with room, or use --loader stream, which needs no copy"
+        ) from None

@@ -78,7 +78,7 @@ class ResultWriter:
         self.output_dir = output_dir
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
         self.pending: Future | None = None
-        self.history: list[dict[str, float]] = []
+        self.saved: list[dict[str, float]] = []  # the rows whose checkpoint and CSV are on disk
         self.plotted_rows = -1
         self.next_plot = 0.0  # time.monotonic() before which the picture is not redrawn
         _UNFINISHED.add(self)
@@ -100,19 +100,19 @@ class ResultWriter:
     def submit(self, checkpoint: dict[str, Any], history: list[dict[str, float]]) -> None:
         """Hand over one epoch's files (its checkpoint is copied to the CPU now); call wait() first."""
         assert self.pending is None, "wait() for the previous epoch first"
-        self.history = list(history)
         snapshot = cpu_snapshot(checkpoint)
         ready = torch.cuda.Event() if torch.cuda.is_initialized() else None  # training on a GPU
         if ready is not None:
             ready.record()
-        self.pending = self.pool.submit(self._write, snapshot, self.history, ready)
+        self.pending = self.pool.submit(self._write, snapshot, list(history), ready)
 
     def close(self) -> None:
-        """Finish the pending files and draw the picture of every epoch."""
+        """Finish the pending files and draw the picture of every epoch whose files were written (after a failed
+        write, those before it: the picture never shows an epoch that the CSV and the checkpoint do not hold)."""
         try:
             self.wait()
-            if self.history and self.plotted_rows != len(self.history):
-                plot_history(self.history, self.output_dir)
+            if self.saved and self.plotted_rows != len(self.saved):
+                plot_history(self.saved, self.output_dir)
         finally:
             self.pool.shutdown()
             _UNFINISHED.discard(self)
@@ -122,6 +122,7 @@ class ResultWriter:
             ready.synchronize()  # the device-to-host copies of the snapshot are done
         save_checkpoint(snapshot, self.output_dir)  # first: the CSV can always be rebuilt from it
         write_csv(history, self.output_dir)
+        self.saved = history
         if time.monotonic() >= self.next_plot:
             started = time.monotonic()
             plot_history(history, self.output_dir)
@@ -287,6 +288,11 @@ def describe(run: Any, peak_lr: float) -> str:
         f"start-up {time.time() - run.launched_at:.1f} s",
     ]
     line = " | ".join(parts)
+    if len(run.data["classes"]) == 1:  # not a mistake for the run, but nothing is learned
+        line += (
+            f"\nwarning: the data has one class ({run.data['classes'][0]}): every prediction is right, so acc is "
+            f"1.0 and the loss 0 whatever the network learns; put each class's images in a folder of its own"
+        )
     if run.steps_per_epoch < FEW_STEPS:
         line += (
             f"\nwarning: an epoch has only {run.steps_per_epoch} steps ({len(run.train_data):,} images, global "

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -41,6 +42,7 @@ GRACE_SECONDS = 30  # how long a rank may take to finish its files once asked to
 # imported torch once (tests/server.py): the same code, without seconds of imports per rank.
 START_METHOD = "spawn"
 NOTHING_CHANGED = "it stopped before training began; nothing in OUTPUT_DIR changed"  # a stop before resume.start
+TORCHRUN_REPORT = "a mistake that this machine's local rank 0 named above, in its line that starts with 'error: '"
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo, when a peer is gone
 
 
@@ -61,6 +63,7 @@ _stop_signal: list[int] = []  # the stop signal this rank received, if any
 _launcher_pid: list[int] = []  # the process that spawned this rank (empty under torchrun)
 _finished: list[bool] = []  # set once the rank's work is done
 _kept_files: list[Callable[[], str]] = []  # what a run that ends now keeps (tell_kept_files)
+_raise_again: list[int] = []  # a stop signal whose exception Python dropped, to raise once more (_raise_stop_again)
 
 
 # ----------------------------------------------------------------------------- the launcher
@@ -70,6 +73,7 @@ def launch(worker: Callable[..., None], world_size: int, args: tuple) -> int:
     """Start `world_size` rank processes on this machine, wait for them, and return the run's exit code.
     Stop signals stay ignored afterwards: a late Ctrl-C cannot turn a finished run into an interrupted one."""
     address = os.environ.get("MASTER_ADDR", "127.0.0.1")  # loopback: hostnames do not always resolve
+    check_master_addr(address)
     users_port = check_master_port(address, os.environ.get("MASTER_PORT"))
     try:
         for _ in range(3):  # a port found free can be taken by another program before rank 0 binds it
@@ -81,6 +85,20 @@ def launch(worker: Callable[..., None], world_size: int, args: tuple) -> int:
         return report(UserError(theirs if users_port else ours), rank=0)
     finally:
         ignore_stop_signals()
+
+
+def check_master_addr(address: str) -> None:
+    """Every rank of a launched run is on this machine: MASTER_ADDR must be one of its addresses. One that does not
+    resolve, or is another machine's, would leave the ranks retrying for COLLECTIVE_TIMEOUT seconds."""
+    fix = "unset MASTER_ADDR (127.0.0.1), or use torchrun to train across machines"
+    try:
+        family, *_, where = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family) as probe:
+            probe.bind(where)
+    except socket.gaierror as e:
+        raise UserError(f"MASTER_ADDR={address} does not resolve ({e.strerror}); {fix}") from None
+    except OSError as e:
+        raise UserError(f"MASTER_ADDR={address} is not an address of this machine ({e.strerror}); {fix}") from None
 
 
 def check_master_port(address: str, port: str | None) -> int | None:
@@ -268,6 +286,9 @@ def handle_stop_signals() -> None:
     def on_signal(signum: int, frame: Any) -> None:
         if signum == CANCEL_SIGNAL:
             raise Cancelled
+        if _raise_again == [signum]:  # its first raise was dropped (_raise_stop_again): it was passed on then
+            _raise_again.clear()
+            raise KeyboardInterrupt if signum == signal.SIGINT else Preempted(signal.Signals(signum).name)
         if _stop_signal:
             return
         _stop_signal.append(signum)
@@ -283,7 +304,23 @@ def handle_stop_signals() -> None:
 
     for sig in (*STOP_SIGNALS, CANCEL_SIGNAL):
         signal.signal(sig, on_signal)
+    sys.unraisablehook = _raise_stop_again
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def _raise_stop_again(unraisable: Any) -> None:
+    """A stop raised while Python ran a weakref callback or a __del__ (a garbage collection, say) is printed as
+    "Exception ignored in ..." and dropped, and the rank would go on as if never stopped: it is raised again,
+    once that code has returned, by the same signal. Other unraisable errors are printed as Python prints them."""
+    stop = unraisable.exc_value
+    if isinstance(stop, (KeyboardInterrupt, Preempted)) and _stop_signal:
+        _raise_again[:] = again = _stop_signal[:1]
+    elif isinstance(stop, Cancelled):
+        again = [CANCEL_SIGNAL]
+    else:
+        return sys.__unraisablehook__(unraisable)
+    # from another thread, a moment later: a signal sent from here would be handled, and dropped, in here
+    threading.Timer(0.05, os.kill, (os.getpid(), *again)).start()
 
 
 def finished() -> None:
@@ -309,12 +346,13 @@ def ignore_stop_signals() -> None:
 
 
 def _tell_torchrun(error: UserError) -> None:
-    """torchrun's failure report shows the message of TORCHELASTIC_ERROR_FILE: our one line. A UserError
-    fails the same way after a restart: if torchrun has restarts left, local rank 0 asks it to stop."""
+    """torchrun's failure report shows each failed worker's TORCHELASTIC_ERROR_FILE: there it points at our line,
+    which local rank 0 printed once (the report would repeat it once per worker). A UserError fails the same way
+    after a restart: if torchrun has restarts left, local rank 0 asks it to stop."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         with open(path, "w") as f:
-            json.dump({"message": f"error: {error}", "timestamp": int(time.time())}, f)
+            json.dump({"message": TORCHRUN_REPORT, "timestamp": int(time.time())}, f)
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count() <= 0:
         return
     # torchrun restarts after a failed worker, never after SIGTERM. Every worker stays until torchrun's SIGTERM
@@ -358,10 +396,18 @@ def check_gpus_usable() -> None:
         )
 
 
+RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # set by torchrun, and by SLURM on a requeue
+
+
 def restart_count() -> int:
     """How often torchrun (TORCHELASTIC_RESTART_COUNT) or SLURM (SLURM_RESTART_COUNT, a requeued job) has
     restarted this run; 0 for a first start."""
-    return max(int(os.environ.get(name, "0") or 0) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return max(int(os.environ.get(name, "0") or 0) for name in RESTART_COUNTS)
+
+
+def restarted_by() -> str:
+    """What says that this start is a restart, e.g. "SLURM_RESTART_COUNT=1"; "" for a first start."""
+    return ", ".join(f"{name}={os.environ[name]}" for name in RESTART_COUNTS if (os.environ.get(name) or "0") != "0")
 
 
 def port_taken(error: BaseException) -> bool:
@@ -385,6 +431,14 @@ def first_line(error: BaseException, limit: int = 160) -> str:
 
 def print_error(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def launcher_started() -> float:
+    """The launcher begins: from now on a stop signal ends it with one line too (a KeyboardInterrupt or Preempted
+    for report; under torchrun, which reports its workers' ends, as before). Returns process_start_time()."""
+    if not all(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):  # not a torchrun worker
+        handle_stop_signals()
+    return process_start_time()
 
 
 def process_start_time() -> float:

@@ -19,7 +19,7 @@ import shutil
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from types import SimpleNamespace
 from typing import IO, Any
 
@@ -56,17 +56,27 @@ def all_ranks_finished(cfg: SimpleNamespace, dist_info: DistInfo) -> bool:
 
 def finished_here(cfg: SimpleNamespace) -> bool:
     """A resume, or a restart by torchrun or SLURM (a requeue that came too late, say), of a run whose checkpoint
-    here holds all its epochs with these settings. Such a start touches nothing, not even the lock."""
+    here holds all its epochs with these settings. Such a start touches nothing, not even the lock. A restart of
+    the run here with other settings is refused now, before any rank starts, where this machine holds every rank."""
     if not (cfg.RESUME or processes.restart_count() > 0):
         return False
     saved = _read(cfg.OUTPUT_DIR, strict=False)
-    if saved is None or int(saved["epoch"]) < cfg.EPOCHS:
+    if saved is None:
         return False
+    alone = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")  # both unset in the launcher
+    if not cfg.RESUME and alone and _is_this_run(saved.get("run_ids", {})):
+        config.check_resume(saved["config"], cfg, processes.restarted_by())
     try:
         config.check_resume(saved["config"], cfg)
     except UserError:
         return False  # other settings: the start refuses them in its own words
-    return True
+    return int(saved["epoch"]) >= cfg.EPOCHS
+
+
+def _is_this_run(saved_by: dict[str, str]) -> bool:
+    """Whether a checkpoint is this run's, by the run ids it was saved under (run_ids); one saved without any is."""
+    ours = run_ids()
+    return not ours or any(saved_by.get(kind) == name for kind, name in ours.items())
 
 
 def check_before_start(cfg: SimpleNamespace) -> None:
@@ -158,8 +168,8 @@ def _newest_checkpoint(cfg: SimpleNamespace, dist_info: DistInfo) -> tuple[dict[
     restarted = any(flag for _, _, flag in everyone)
     if not (cfg.RESUME or restarted):
         return None, 0
-    ours = run_ids()  # a restart continues its own run only: another machine may hold an older run's checkpoint
-    same_run = [cfg.RESUME or not ours or any(s.get(k) == v for k, v in ours.items()) for _, s, _ in everyone]
+    # a restart continues its own run only: another machine may hold an older run's checkpoint
+    same_run = [cfg.RESUME or _is_this_run(saved_by) for _, saved_by, _ in everyone]
     epochs = [e if same else -1 for (e, _, _), same in zip(everyone, same_run, strict=True)]
     if max(epochs) < 0:
         if restarted:
@@ -168,7 +178,7 @@ def _newest_checkpoint(cfg: SimpleNamespace, dist_info: DistInfo) -> tuple[dict[
     source = epochs.index(max(epochs))
     shared = [mine if dist_info.rank == source else None]
     dist.broadcast_object_list(shared, src=source)
-    config.check_resume(shared[0]["config"], cfg)  # every rank holds it: every rank raises alike
+    config.check_resume(shared[0]["config"], cfg, "" if cfg.RESUME else processes.restarted_by())  # all alike
     return shared[0], source
 
 
@@ -289,9 +299,17 @@ def lock_output_dir(output_dir: str, same_run_wait_s: float = 60) -> IO[str]:
                 f"{holder.get('host', '?')}, since {holder.get('since', '?')}); wait for it to end or choose another"
             )
         time.sleep(0.5)
-    handle.truncate(0)  # opened to append: the write lands at the new end
-    handle.write(
-        f"pid={os.getpid()} host={socket.gethostname()} run={ours} since={time.strftime('%Y-%m-%d_%H:%M:%S')}\n"
-    )
-    handle.flush()
+    try:
+        handle.truncate(0)  # opened to append: the write lands at the new end
+        handle.write(
+            f"pid={os.getpid()} host={socket.gethostname()} run={ours} since={time.strftime('%Y-%m-%d_%H:%M:%S')}\n"
+        )
+        handle.flush()
+    except OSError as e:  # a full disk: the run could not write its first checkpoint either
+        with suppress(OSError):
+            handle.close()  # flushes the line again, and fails again: closed all the same
+        os.remove(path)  # no other process holds it: ours is the only lock there was
+        raise UserError(
+            f"cannot write to OUTPUT_DIR {output_dir} ({e.strerror}); free space or choose another"
+        ) from None
     return handle

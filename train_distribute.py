@@ -325,13 +325,13 @@ def evaluate(run: Run) -> tuple[float, float]:
 
 def main(argv: list[str]) -> int:
     """Read and check the settings, get the data ready once, then start the ranks; the run's exit code."""
-    launched_at = processes.process_start_time()
+    launched_at = processes.launcher_started()  # from here a stop signal, too, ends the launcher in one line
     try:
         cfg = config.read_config(__file__, argv)
         world_size = check_before_start(cfg)
         return distribute_tools.run_distribute(main_worker, world_size, cfg, launched_at)  # DDP: a process per rank
-    except UserError as error:
-        return processes.report(error, rank=0)  # one line (once per machine), exit 2
+    except (UserError, KeyboardInterrupt, processes.Preempted) as error:  # a mistake, or a stop before the ranks
+        return processes.report(error, rank=0)  # one line (once per machine): exit 2, 130 or 75
 
 
 def check_before_start(cfg: SimpleNamespace) -> int:
@@ -340,7 +340,7 @@ def check_before_start(cfg: SimpleNamespace) -> int:
     world_size = distribute_tools.resolve_world_size(cfg.WORLD_SIZE)
     config.check_against_machine(cfg, world_size, distribute_tools.gpu_count())
     data.check_sizes(cfg, lambda classes: make_model(cfg, classes), int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    if not (distribute_tools.under_torchrun() or resume.finished_here(cfg)):  # finished: the ranks say so
+    if not (resume.finished_here(cfg) or distribute_tools.under_torchrun()):  # finished: the ranks say so
         resume.check_before_start(cfg)
         data.prepare(cfg)  # download, or check every image's header, once for every rank
     return world_size

@@ -12,6 +12,7 @@ run it starts (they act only where the run's environment asks, and ranks forked 
     TEST_STATISTICS_SAMPLE=8              the stream loader's statistics come from 8 images (the others are
                                           first decoded in training)
     TEST_MEMORY_SHARE=0                   LOADER=auto streams any image folder (as if the device were too small)
+    TEST_SLOW_HEADERS=2 TEST_MARKER=/path the check of the images' headers takes 2 s more; the marker says it began
 """
 
 import errno
@@ -84,5 +85,16 @@ def install_hooks() -> None:
         import data
 
         data.MEMORY_SHARE = float(os.environ["TEST_MEMORY_SHARE"])
+    if "TEST_SLOW_HEADERS" in os.environ:
+        import image_folder
+
+        header_chunk = image_folder._header_chunk
+
+        def slow_header_chunk(job):
+            Path(os.environ["TEST_MARKER"]).write_text("headers")
+            time.sleep(float(os.environ["TEST_SLOW_HEADERS"]))
+            return header_chunk(job)
+
+        image_folder._header_chunk = slow_header_chunk
     if "TEST_NEW_COLUMN" in os.environ:
         outputs.COLUMNS[os.environ["TEST_NEW_COLUMN"]] = ("a column a test added", None)

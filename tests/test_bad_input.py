@@ -76,6 +76,11 @@ CASES = {
     "master_port_not_a_number": (SMALL + ["--env:MASTER_PORT=abc"], "MASTER_PORT='abc' is not a port number"),
     "master_port_too_large": (SMALL + ["--env:MASTER_PORT=70000"], "MASTER_PORT='70000' is not a port number"),
     "master_port_in_use": (SMALL + ["--env:MASTER_PORT={held_port}"], "MASTER_PORT={held_port} on MASTER_ADDR"),
+    "master_addr_unresolvable": (SMALL + ["--env:MASTER_ADDR=nohost.invalid"], "MASTER_ADDR=nohost.invalid does not"),
+    "master_addr_of_another_machine": (  # TEST-NET-1: no machine's address
+        SMALL + ["--env:MASTER_ADDR=192.0.2.1"],
+        "MASTER_ADDR=192.0.2.1 is not an address of this machine",
+    ),
 }
 
 
@@ -151,4 +156,4 @@ def test_one_line_error(outcomes, name):
     assert CASES[name][1].replace("{tmp}", str(tmp)).replace("{held_port}", held_port) in lines[0]
     assert result.stdout == ""
     assert not (tmp / name / "out").exists(), "something was written: the run got past the checks"
-    assert seconds < 30 if name.startswith("master_port") else True  # named at once, not after a wait
+    assert seconds < 30 if name.startswith("master_") else True  # named at once, not after a wait

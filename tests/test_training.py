@@ -777,8 +777,8 @@ def torchrun_mistake_scenario(mistake: str, nproc: int, restarts: int) -> tuple:
 )
 def test_a_mistake_under_torchrun_is_one_line_and_not_restarted(mistake, nproc, restarts):
     """A bad setting (found before the worker trains) or a damaged image (found by the worker): the worker's one
-    line comes first, torchrun's own report follows (it cannot be silenced: README), and torchrun does not restart
-    a run that would fail the same way."""
+    line comes first and only once, torchrun's own report follows (it cannot be silenced: README) and points at it,
+    and torchrun does not restart a run that would fail the same way."""
     code, output, written = scenario(torchrun_mistake_scenario, mistake, nproc, restarts)
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert code != 0
@@ -790,9 +790,11 @@ def test_a_mistake_under_torchrun_is_one_line_and_not_restarted(mistake, nproc, 
         "damaged_image": "cut.jpg (image file is truncated",
     }[mistake]
     assert expected in errors[0]
+    assert output.count(expected) == 1, output  # torchrun's report points at it instead of repeating it
     assert output.index(errors[0]) < output.find("Traceback") or "Traceback" not in output
+    assert code == 1  # torchrun's own exit code for any failed worker (README's exit-code table)
     if restarts == 0:  # torchrun's report names our line as the root cause
-        assert output.count(expected) >= 2 and "ChildFailedError" in output
+        assert processes.TORCHRUN_REPORT in output and "ChildFailedError" in output
     assert not written
 
 

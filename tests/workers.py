@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -247,3 +248,22 @@ def torchrun_that_drops_a_sigterm(out: str) -> int:
     facts = {"sigterms": len(received), "worker_alive": worker_alive, "worker_end": os.waitstatus_to_exitcode(status)}
     Path(out).write_text(json.dumps(facts))
     return 0
+
+
+def stop_in_a_weakref_callback() -> int:
+    """A rank whose SIGTERM lands while Python runs a weakref callback (as in a garbage collection), where Python
+    prints the exception as "Exception ignored" and drops it: the rank must still stop, with exit 75."""
+
+    def work(rank: int, world_size: int) -> None:
+        processes.handle_stop_signals()
+
+        def callback(reference) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1_000_000))  # the signal's handler runs in here
+
+        thing = torch.nn.Module()  # any object that takes weak references
+        reference = weakref.ref(thing, callback)  # noqa: F841  (kept alive until the end)
+        del thing
+        time.sleep(10)  # only a stop raised again ends this early
+
+    return processes.run_rank(0, work, 1, ())
