@@ -233,18 +233,19 @@ def check_resume(saved: dict[str, Any], cfg: SimpleNamespace, restarted_by: str 
     restart (torchrun's or SLURM's count), which resumes by itself: the user set no RESUME, and cannot start anew."""
     for name, value in vars(cfg).items():
         was = saved.get(name, DEFAULTS.get(name))
-        if name not in FREE_ON_RESUME and was != value and restarted_by:
+        if name in FREE_ON_RESUME or was == value:
+            continue
+        if restarted_by:
             raise UserError(
                 f"this start is a restart ({restarted_by}) of the run in {cfg.OUTPUT_DIR}, whose checkpoint has "
                 f"{name}={was!r} where the settings now say {value!r} (the script or the command changed since the "
                 f"run began); set {name} back to {was!r} to continue it, or end the job and start a new run in "
                 f"another --output_dir"
             )
-        if name not in FREE_ON_RESUME and was != value:
-            raise UserError(
-                f"RESUME=True but {name}={value!r} differs from the checkpoint's {was!r}; "
-                f"resume with --{name.lower()} {was}, or start a new run"
-            )
+        raise UserError(
+            f"RESUME=True but {name}={value!r} differs from the checkpoint's {was!r}; "
+            f"resume with --{name.lower()} {was}, or start a new run"
+        )
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -328,15 +328,16 @@ def _folder_for_cache(folders: list[str], root: str, size: int) -> str:
     for folder in folders:
         try:
             os.makedirs(folder, exist_ok=True)
-            free = shutil.disk_usage(folder).free if os.access(folder, os.W_OK) else -1
         except OSError as e:
-            free = e.strerror
-        if not isinstance(free, int) or free < 0:
-            reasons.append(f"{folder}: {free if isinstance(free, str) else 'not writable'}")
+            reasons.append(f"{folder}: {e.strerror}")
             continue
-        if free >= size + 2**26:
+        free = shutil.disk_usage(folder).free
+        if not os.access(folder, os.W_OK):
+            reasons.append(f"{folder}: not writable")
+        elif free >= size + 2**26:
             return folder
-        reasons.append(f"{folder}: {free / 2**20:,.0f} MB free, {(size + 2**26) / 2**20:,.0f} MB needed")
+        else:
+            reasons.append(f"{folder}: {free / 2**20:,.0f} MB free, {(size + 2**26) / 2**20:,.0f} MB needed")
     raise UserError(
         f"no folder can take the decoded copy of {root} that the memory loader reads ({'; '.join(reasons)}); free "
         f"space, set XDG_CACHE_HOME to a writable folder with room, or use --loader stream, which needs no copy"
