@@ -1,353 +1,407 @@
-"""The data: two loaders (train, test) of IMAGE_SIZE x IMAGE_SIZE uint8 images, cropped, flipped and normalised on
-the device in batches. LOADER decides how images reach the device (one rule for every rank, `choose_loader`):
+"""The data: CIFAR-10, your image folder or generated images, as each rank's batches, cropped, flipped and normalised
+on the device. Two loaders with one interface:
 
-    memory   `DeviceLoader` keeps a whole split on the device, read once (CIFAR-10's files, generated images, or an
-             image folder decoded once per machine into a cache file); per epoch this rank's shard of one shared
-             permutation is cut into batches by indexing: no per-image Python work
-    stream   `loaders.StreamLoader`, for image folders of any size: torch's DataLoader with a DistributedSampler, its
-             worker processes decoding the files as training goes (image_folder.ImageFiles)
+    MemoryLoader  the whole split on the device as uint8: per epoch this rank's shard of one permutation that every
+                  rank draws alike, batches cut by indexing (no per-image Python work: the fast path)
+    StreamLoader  torch's DataLoader with a DistributedSampler: worker processes decode the files as training goes
+
+LOADER="auto" holds CIFAR-10 and generated images in memory and streams image folders, which may be of any size;
+"memory" decodes an image folder once as the run starts.
 """
 
+import hashlib
 import os
-import pickle
 import socket
-import traceback
-from collections.abc import Callable
+import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import filelock
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
 
-import image_folder
-import loaders
-import outputs
-from distribute_tools import DistInfo, all_ranks_try, cpu_cores, under_torchrun
-from processes import UserError, first_line
+from distribute_tools import DistInfo
+from safeguards.failures import UserError, first_line, kept_files
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's published, 0..1 units
 SYNTHETIC_CLASSES = 10
-CIFAR_ARCHIVE, CIFAR_SIZES = "cifar-10-python.tar.gz", (50_000, 10_000, 10)  # train images, test images, classes
-MEMORY_SHARE = 0.25  # auto: memory while the decoded set takes at most this share of the smallest free memory
+STATISTICS_SAMPLE = 2_000  # an image folder's normalisation comes from this many training images, drawn with seed 0
+EVAL_BATCH = 500  # test images per evaluation batch
 
 
-@dataclass
-class ImageSet:
-    images: torch.Tensor  # uint8, (N, 3, size, size)
-    labels: torch.Tensor  # int64, (N,)
-    classes: list[str]
-    mean: tuple[float, ...] = CIFAR_MEAN  # per-channel statistics the loader normalises with, 0..1 units
-    std: tuple[float, ...] = CIFAR_STD
-    resized: int = 0  # images that had another size and were resized to the square
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def checksum(self) -> int:
-        """Cheap, order-sensitive: ranks compare it to find a machine with another copy of the data."""
-        position = torch.arange(1, len(self) + 1, dtype=torch.int64)
-        pixels = self.images.contiguous().view(len(self), -1)
-        # Each image's bytes read as int64 words and summed (wrapping): 40x faster than widening every pixel, which
-        # images whose bytes do not fill whole words need.
-        per_image = (pixels.view(torch.int64) if pixels.shape[1] % 8 == 0 else pixels.long()).sum(dim=1)
-        return int(((per_image + 7919 * self.labels) * position).sum())
-
-
-def identity(train_images: int, test_images: int, size: int, content: str) -> str:
-    """What tells one data set from another (`content`: a checksum of the pixels, or of an image folder's files):
-    a resume on other data is refused with it."""
-    return f"{train_images:,} train and {test_images:,} test images of {size}x{size}, {content}"
-
-
-def same_data(saved: str, now: str) -> bool:
-    """Whether a checkpoint's identity of its data is this run's. An image folder's identity comes from its
-    files; checkpoints written while it came from the decoded pixels ("checksum") are compared by their counts
-    and size alone."""
-    old_folder = ", checksum " in saved and ", files " in now
-    return saved.partition(", ")[0] == now.partition(", ")[0] if old_folder else saved == now
-
-
-def record(train: ImageSet, test: ImageSet, content: str = "") -> dict[str, Any]:
-    """What a checkpoint records of the data: its identity, and what an evaluation of the weights needs."""
-    content = content or f"checksum {train.checksum() ^ test.checksum():x}"
-    return {
-        "identity": identity(len(train), len(test), train.images.shape[-1], content),
-        "classes": train.classes,
-        "mean": train.mean,
-        "std": train.std,
-        "image_size": train.images.shape[-1],
-        "resized": train.resized + test.resized,
-    }
-
-
-# ----------------------------------------------------------------------------- before training
-
-
-def sizes(cfg: SimpleNamespace) -> tuple[int, int, int]:
-    """Training images, test images and classes, without reading any image."""
+def sizes(cfg: SimpleNamespace) -> tuple[int, int]:
+    """Training images and classes, without decoding an image: what the checks before the start need."""
     if cfg.DATASET == "synthetic":
-        return cfg.SYNTHETIC_SIZE, max(cfg.SYNTHETIC_SIZE // 5, 1), SYNTHETIC_CLASSES
+        return cfg.SYNTHETIC_SIZE, SYNTHETIC_CLASSES
     if cfg.DATASET == "cifar10":
-        if cfg.IMAGE_SIZE != 32:
-            raise UserError(f"IMAGE_SIZE={cfg.IMAGE_SIZE} but CIFAR-10's images are 32x32; use --image_size 32")
-        return CIFAR_SIZES
-    (classes, train, _), (test_classes, test, _) = (
-        image_folder.list_images(os.path.join(cfg.DATA_DIR, s)) for s in ("train", "test")
-    )
-    image_folder.check_same_classes(cfg.DATA_DIR, classes, test_classes)
-    return len(train), len(test), len(classes)
+        return 50_000, 10
+    classes, samples = list_folder(cfg.DATA_DIR, "train")
+    return len(samples), len(classes)
 
 
 def prepare(cfg: SimpleNamespace) -> None:
-    """What one process per machine does before any rank loads the data: download CIFAR-10, or read the header
-    of every image of an image folder (a memory run decodes it fully later). Raises UserError naming the file
-    or folder at fault."""
-    if cfg.DATASET == "cifar10":
-        download_cifar10(cfg.DATA_DIR)
-    elif cfg.DATASET == "imagefolder":
-        for split in ("train", "test"):  # sizes() has checked the folders and their classes
-            image_folder.check_headers(os.path.join(cfg.DATA_DIR, split))
-
-
-def check_sizes(cfg: SimpleNamespace, make_model: Callable[[int], torch.nn.Module], ranks: int) -> None:
-    """Before anything starts: a loader that can read DATASET, at least one global batch of training images, and
-    data and model that fit in this machine's memory. Per rank: the uint8 set and its copy on the device
-    (generated images pass through float32 noise first; an image folder counts only with LOADER=memory: `auto`
-    streams one that would not fit), the weights with their gradients, momentum and the two copies a checkpoint
-    makes."""
-    if cfg.LOADER == "stream" and cfg.DATASET != "imagefolder":
-        raise UserError(
-            f"LOADER='stream' reads image folders; DATASET={cfg.DATASET!r} is held in memory (it fits): use "
-            f"--loader auto or memory"
-        )
-    train_images, test_images, classes = sizes(cfg)
-    if train_images < cfg.BATCH_SIZE:
-        raise UserError(
-            f"the training set has {train_images} images, fewer than one global batch (BATCH_SIZE={cfg.BATCH_SIZE}); "
-            f"lower --batch_size"
-        )
-    parameters = count_parameters(make_model, classes)
-    held = cfg.DATASET != "imagefolder" or cfg.LOADER == "memory"
-    data_bytes = held * (train_images + test_images) * 3 * cfg.IMAGE_SIZE**2 * (10 if cfg.DATASET == "synthetic" else 2)
-    needed, here = ranks * (data_bytes + 20 * parameters), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if needed > here:
-        fix = "use --loader auto (which streams a set this big), or " if cfg.DATASET == "imagefolder" and held else ""
-        raise UserError(
-            f"this run needs about {needed / 2**30:,.0f} GB of memory ({ranks} rank(s) x {data_bytes / 2**30:,.1f} GB "
-            f"of images and {20 * parameters / 2**30:,.1f} GB for {parameters:,} parameters), more than this "
-            f"machine's {here / 2**30:,.0f} GB; {fix}lower --image_size, the number of images or the network's size"
-        )
-
-
-def count_parameters(make_model: Callable[[int], torch.nn.Module], classes: int) -> int:
-    """On the meta device, which allocates nothing, or on the CPU where the constructor computes with its tensors
-    (`.item()`, as timm's models do). A network that cannot be built is one line naming where it failed."""
-    for device in ("meta", "cpu"):
-        try:
-            with torch.device(device):
-                return sum(p.numel() for p in make_model(classes).parameters())
-        except Exception as e:
-            error, where = e, traceback.extract_tb(e.__traceback__)[-1]
-    raise UserError(
-        f"make_model cannot build the network ({type(error).__name__}: {first_line(error)}, at "
-        f"{os.path.basename(where.filename)}:{where.lineno}); fix make_model or the network's settings"
-    )
-
-
-def download_cifar10(data_dir: str, timeout_s: float = 60.0) -> None:
-    """Fetch and unpack CIFAR-10 into data_dir unless it is there already (torchvision checks md5 sums).
-    One process at a time per folder (a file lock): ranks downloading at once corrupt the archive."""
-    from torchvision.datasets import CIFAR10
-    from torchvision.datasets.utils import check_integrity
-
-    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
-        raise UserError(f"DATA_DIR {data_dir} is a file; point --data_dir at a folder (CIFAR-10 is downloaded there)")
-    archive, previous = os.path.join(data_dir, CIFAR_ARCHIVE), socket.getdefaulttimeout()
+    """Download CIFAR-10 into DATA_DIR unless it is there: one process per folder at a time (a file lock), since ranks
+    downloading at once corrupt the archive. An image folder: both splits must hold the same classes."""
+    if cfg.DATASET == "imagefolder":
+        (classes, _), (test_classes, _) = list_folder(cfg.DATA_DIR, "train"), list_folder(cfg.DATA_DIR, "test")
+        if classes != test_classes:
+            raise UserError(
+                f"{cfg.DATA_DIR}/train and {cfg.DATA_DIR}/test hold different class folders; every class needs images "
+                f"in both: add the missing class folders, or move the class out of both"
+            )
+    if cfg.DATASET != "cifar10":
+        return
     try:
-        os.makedirs(data_dir, exist_ok=True)
-    except OSError as e:  # a read-only checkout with the default ./data, say
+        os.makedirs(cfg.DATA_DIR, exist_ok=True)
+    except OSError as e:
         raise UserError(
-            f"DATA_DIR {data_dir} cannot be created ({e.strerror}); point --data_dir at a writable folder, where "
-            f"CIFAR-10 is downloaded"
-        ) from None
-    socket.setdefaulttimeout(timeout_s)  # torchvision's download sets no timeout of its own
-    writable = os.access(data_dir, os.W_OK)  # a read-only shared copy is only read: no lock needed, none possible
+            f"DATA_DIR {cfg.DATA_DIR} cannot be created ({e.strerror}); point --data_dir at a writable folder"
+        )
+    writable = os.access(cfg.DATA_DIR, os.W_OK)  # a read-only copy is only read: no lock needed, none possible
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(60)  # torchvision's download sets no timeout of its own
     try:
-        with outputs.lock_file(os.path.join(data_dir, ".cifar10.lock")) if writable else nullcontext():
-            if os.path.exists(archive) and not check_integrity(archive, CIFAR10.tgz_md5):
-                raise UserError(
-                    f"{archive} is corrupt (its checksum is wrong); delete it and rerun to download it again, "
-                    f"or copy a good copy there"
-                )
-            CIFAR10(data_dir, train=True, download=True)
-    except UserError:
-        raise
-    except Exception as e:
-        offline = f"on an offline machine copy {CIFAR_ARCHIVE} into {data_dir}/ by hand and rerun"
-        fix = offline if writable else "it is read-only: point --data_dir at a writable folder, or one that holds it"
-        raise UserError(
-            f"could not download CIFAR-10 into {data_dir} ({first_line(e)}); {fix}, or use --dataset imagefolder"
-        ) from None
+        with filelock.FileLock(os.path.join(cfg.DATA_DIR, ".cifar10.lock")) if writable else nullcontext():
+            _cifar10(cfg.DATA_DIR, train=True, download=True)
     finally:
         socket.setdefaulttimeout(previous)
 
 
-# ----------------------------------------------------------------------------- readers
+def _cifar10(data_dir: str, train: bool, download: bool = False) -> Any:
+    from torchvision.datasets import CIFAR10  # here: torchvision takes seconds to import, and only CIFAR-10 needs it
+
+    try:
+        return CIFAR10(data_dir, train=train)
+    except RuntimeError:  # not there, or corrupt
+        if not download:
+            raise UserError(f"CIFAR-10 is missing or corrupt in {data_dir}; delete it there and rerun") from None
+    try:
+        return CIFAR10(data_dir, train=train, download=True)
+    except Exception as e:
+        raise UserError(
+            f"could not download CIFAR-10 into {data_dir} ({first_line(e)}); offline, copy cifar-10-python.tar.gz "
+            f"into {data_dir}/ by hand and rerun, or use --dataset imagefolder"
+        ) from None
 
 
-def load(
-    cfg: SimpleNamespace, dist_info: DistInfo, memory_format: torch.memory_format = torch.contiguous_format
-) -> tuple["loaders.Loader", "loaders.Loader", dict[str, Any]]:
-    """This rank's (train, test) loaders and what the checkpoint records of the data. Under torchrun, where no
-    launcher prepared the data, local rank 0 of each machine prepares it first. Every rank must hold the same
-    images (a machine with another copy of DATA_DIR would hang or train on other data): their identities meet once."""
-    if under_torchrun():
-        all_ranks_try(lambda: prepare(cfg) if dist_info.local_rank == 0 else None)
-    folder = _image_folder(cfg) if cfg.DATASET == "imagefolder" else None
-    content = image_folder.identity(list(zip(*folder[:2], strict=True))) if folder else ""
-    images = sum(map(len, folder[1])) if folder else sum(sizes(cfg)[:2])
-    loader, how = choose_loader(cfg, dist_info, 3 * cfg.IMAGE_SIZE**2 * images)
-    if folder and loader == "stream":
-        train, test, recorded = stream_image_folder(cfg, dist_info, memory_format, *folder[:3], content)
+# ----------------------------------------------------------------------------- the data sets
+
+
+def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_format) -> tuple[Any, Any, dict]:
+    """This rank's (train, test) loaders and what the checkpoint records of the data. Every rank must hold the same
+    data (a machine with another copy of DATA_DIR would train on other data or hang): their identities meet once."""
+    streams = cfg.LOADER == "stream" or (cfg.LOADER == "auto" and cfg.DATASET == "imagefolder")
+    workers = (
+        cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else max(1, len(os.sched_getaffinity(0)) // info.local_world_size - 1)
+    )
+    options = {"device": info.device, "memory_format": memory_format}
+    if cfg.DATASET == "imagefolder":
+        (classes, train), (_, test) = list_folder(cfg.DATA_DIR, "train"), list_folder(cfg.DATA_DIR, "test")
+        files = [ImageFiles(samples, cfg.IMAGE_SIZE, cfg.DATA_DIR) for samples in (train, test)]
+        sample = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:STATISTICS_SAMPLE]
+        mean, std = channel_statistics(decode_all(files[0], workers, sample.sort().values.tolist())[0])
+        identity = f"files {folder_digest(cfg.DATA_DIR, train + test)}"
+        if streams:
+            loaders = [
+                StreamLoader(f, workers, augment, mean, std, **options)
+                for f, augment in zip(files, (cfg.AUGMENT, False))
+            ]
+        else:
+            decoded = [decode_all(f, workers, range(len(f))) for f in files]
+            loaders = [
+                MemoryLoader(*d, augment, mean, std, **options) for d, augment in zip(decoded, (cfg.AUGMENT, False))
+            ]
     else:
-        if folder:  # local rank 0 of each machine decodes an image folder once (finding any damaged file) for all
-            decode = lambda: [image_folder.ensure_decoded(root, cfg.IMAGE_SIZE) for root in folder[0]]  # noqa: E731
-            all_ranks_try(decode if dist_info.local_rank == 0 else None)
-        train_set, test_set = read(cfg)
-        train, test = (
-            loaders.DeviceLoader(s, dist_info.device, cfg.AUGMENT and s is train_set, memory_format)
-            for s in (train_set, test_set)
-        )
-        recorded = record(train_set, test_set, content)
-    workers = f", {train.workers} worker(s) per rank" if isinstance(train, loaders.StreamLoader) else ""
-    recorded.update(loader=how + workers, skipped=folder[3] if folder else 0)
-    everyone: list[Any] = [None] * dist_info.world_size
-    dist.all_gather_object(everyone, recorded["identity"])
+        (train_pixels, train_labels), test, classes = read_in_memory(cfg)
+        mean, std = channel_statistics(train_pixels) if cfg.DATASET == "synthetic" else (CIFAR_MEAN, CIFAR_STD)
+        loaders = [
+            MemoryLoader(train_pixels, train_labels, cfg.AUGMENT, mean, std, **options),
+            MemoryLoader(*test, False, mean, std, **options),
+        ]
+        identity = "generated" if cfg.DATASET == "synthetic" else "CIFAR-10"
+    train_loader, test_loader = loaders
+    size = cfg.IMAGE_SIZE
+    identity = f"{len(train_loader):,} train and {len(test_loader):,} test images of {size}x{size}, {len(classes)} classes, {identity}"
+    everyone: list[Any] = [None] * info.world_size
+    dist.all_gather_object(everyone, identity)  # DDP: every rank's data, compared once
     others = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
     if others:
         raise UserError(
             f"rank(s) {', '.join(map(str, others))} loaded other data than rank 0 ({everyone[others[0]]}, against "
             f"{everyone[0]}); give every machine the same copy of DATA_DIR"
         )
-    return train, test, recorded
+    how = f"stream, {workers} worker(s) per rank" if streams else "memory"
+    record = {"identity": identity, "classes": classes, "mean": mean, "std": std, "image_size": size, "loader": how}
+    return train_loader, test_loader, record
 
 
-def _image_folder(cfg: SimpleNamespace) -> tuple[list[str], list[image_folder.Samples], list[str], int]:
-    """The two splits' folders, their (path, label) lists, the class names and how many entries were skipped."""
-    roots = [os.path.join(cfg.DATA_DIR, split) for split in ("train", "test")]
-    listed = [image_folder.list_images(root) for root in roots]
-    return roots, [samples for _, samples, _ in listed], listed[0][0], sum(skipped for *_, skipped in listed)
+def read_in_memory(cfg: SimpleNamespace) -> tuple[tuple, tuple, list[str]]:
+    """CIFAR-10 or generated images: ((train images, labels), (test images, labels), class names); images uint8 NHWC."""
+    if cfg.DATASET == "synthetic":
+        test_size = max(cfg.SYNTHETIC_SIZE // 5, 1)
+        splits = [
+            make_synthetic(n, cfg.SEED, split, cfg.IMAGE_SIZE)
+            for split, n in enumerate((cfg.SYNTHETIC_SIZE, test_size))
+        ]
+        return splits[0], splits[1], [f"class_{c}" for c in range(SYNTHETIC_CLASSES)]
+    splits = [_cifar10(cfg.DATA_DIR, train) for train in (True, False)]
+    tensors = [(torch.from_numpy(s.data), torch.tensor(s.targets)) for s in splits]
+    return tensors[0], tensors[1], splits[0].classes
 
 
-def free_memory(dist_info: DistInfo) -> int:
-    """Bytes a rank may still fill: its share of this machine's available memory, and on GPUs at most its GPU's
-    free memory (the memory loader reads a set into host memory, then moves it to the GPU)."""
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):  # not Linux
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    host = available // dist_info.local_world_size
-    return min(host, torch.cuda.mem_get_info(dist_info.device)[0]) if dist_info.device.type == "cuda" else host
-
-
-def choose_loader(cfg: SimpleNamespace, dist_info: DistInfo, decoded_bytes: int) -> tuple[str, str]:
-    """ "memory" or "stream", and the first line's words for it; decided alike on every rank, from the smallest
-    free memory of any rank. `auto` holds an image folder in memory while its decoded images take at most
-    MEMORY_SHARE of that (they are held twice while they are laid out, and the network needs room too)."""
-    smallest = torch.tensor([free_memory(dist_info)], dtype=torch.float64, device=dist_info.device)
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)  # DDP: every rank decides alike
-    free = smallest.item()
-    figures = f"{decoded_bytes / 2**30:,.2f} GB of decoded images, {free / 2**30:,.1f} GB free per rank"
-    streams = cfg.LOADER == "stream" or (
-        cfg.LOADER == "auto" and cfg.DATASET == "imagefolder" and decoded_bytes > MEMORY_SHARE * free
-    )
-    if not streams and decoded_bytes > free:
-        fix = "use --loader stream" if cfg.DATASET == "imagefolder" else "lower --synthetic_size or --image_size"
-        raise UserError(f"the data set does not fit in a rank's memory ({figures}); {fix}")
-    chosen = "stream" if streams else "memory"
-    if cfg.LOADER == "auto" and cfg.DATASET == "imagefolder":
-        share = f"{'over' if streams else 'within'} {MEMORY_SHARE:.0%} of the free memory"
-        return chosen, f"loader {chosen} (auto: {figures}, {share})"
-    return chosen, f"loader {chosen}"
-
-
-def stream_image_folder(
-    cfg: SimpleNamespace,
-    dist_info: DistInfo,
-    memory_format: torch.memory_format,
-    roots: list[str],
-    splits: list[image_folder.Samples],
-    classes: list[str],
-    content: str,
-) -> tuple["loaders.StreamLoader", "loaders.StreamLoader", dict[str, Any]]:
-    """An image folder read from its files as training goes, normalised with the statistics of a fixed sample
-    of its training images (as the memory path is, so that a run may switch loaders on resume)."""
-    workers = cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else max(1, cpu_cores() // dist_info.local_world_size - 1)
-    train_files, test_files = (image_folder.ImageFiles(samples, cfg.IMAGE_SIZE) for samples in splits)
-    mean, std = loaders.sample_statistics(train_files, roots[0], dist_info, workers)
-    train, test = (
-        loaders.StreamLoader(
-            files, root, dist_info.device, workers, cfg.AUGMENT and files is train_files, memory_format, mean, std
-        )
-        for files, root in ((train_files, roots[0]), (test_files, roots[1]))
-    )
-    size = cfg.IMAGE_SIZE
-    recorded = {"identity": identity(len(train), len(test), size, content), "classes": classes, "mean": mean}
-    recorded.update(std=std, image_size=size, resized=0)  # resized images are counted by the memory path only
-    return train, test, recorded
-
-
-def read(cfg: SimpleNamespace) -> tuple[ImageSet, ImageSet]:
-    """(train, test) of DATASET, prepared before; the test set is normalised with the training set's statistics."""
-    if cfg.DATASET == "cifar10":
-        return read_cifar10(cfg.DATA_DIR, train=True), read_cifar10(cfg.DATA_DIR, train=False)
-    if cfg.DATASET == "imagefolder":
-        train, test = (
-            ImageSet(**image_folder.decoded(os.path.join(cfg.DATA_DIR, s), cfg.IMAGE_SIZE)) for s in ("train", "test")
-        )
-        sample = train.images[image_folder.statistics_sample(len(train))]
-        train.mean, train.std = test.mean, test.std = image_folder.channel_statistics(sample)
-        return train, test
-    train = make_synthetic(cfg.SYNTHETIC_SIZE, cfg.SEED, split=0, image_size=cfg.IMAGE_SIZE)
-    test = make_synthetic(max(cfg.SYNTHETIC_SIZE // 5, 1), cfg.SEED, split=1, image_size=cfg.IMAGE_SIZE, like=train)
-    return train, test
-
-
-def read_cifar10(data_dir: str, train: bool) -> ImageSet:
-    """CIFAR-10's python batches, read directly (torchvision, seconds to import in every rank, is only needed
-    to download them)."""
-    folder = os.path.join(data_dir, "cifar-10-batches-py")
-    names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
-    try:
-        batches = []
-        for name in names:
-            with open(os.path.join(folder, name), "rb") as f:
-                batches.append(pickle.load(f, encoding="latin1"))
-        with open(os.path.join(folder, "batches.meta"), "rb") as f:
-            classes = pickle.load(f, encoding="latin1")["label_names"]
-    except (OSError, pickle.UnpicklingError, EOFError, KeyError):
-        raise UserError(
-            f"CIFAR-10 is missing or corrupt in {data_dir}; delete it there and rerun to download it again, or "
-            f"copy {CIFAR_ARCHIVE} into {data_dir}/ by hand"
-        ) from None
-    pixels = torch.cat([torch.as_tensor(batch["data"]) for batch in batches]).view(-1, 3, 32, 32)
-    labels = torch.tensor([label for batch in batches for label in batch["labels"]], dtype=torch.int64)
-    return ImageSet(pixels.contiguous(), labels, list(classes))
-
-
-def make_synthetic(size: int, seed: int, split: int, image_size: int = 32, like: ImageSet | None = None) -> ImageSet:
-    """Images that a network can learn: each class has its own smooth colour pattern (smooth, so that crops and
-    flips keep it recognisable), and every image adds strong noise. `like`: the training set, whose statistics
-    the test set is normalised with."""
+def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images that a network can learn: each class has its own smooth colour pattern (smooth, so that crops and flips
+    keep it recognisable), and every image adds strong noise. uint8 NHWC images and their labels."""
     patterns = torch.rand(SYNTHETIC_CLASSES, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
     patterns = F.interpolate(patterns, size=image_size, mode="bilinear", align_corners=False)
     g = torch.Generator().manual_seed(seed * 1_000 + 1 + split)  # train and test: same classes, other images
     labels = torch.randint(SYNTHETIC_CLASSES, (size,), generator=g)
     noise = torch.randn(size, 3, image_size, image_size, generator=g)
     images = (255 * (0.25 + 0.5 * patterns[labels]) + 60 * noise).clamp(0, 255).to(torch.uint8)
-    mean, std = (like.mean, like.std) if like else image_folder.channel_statistics(images)
-    return ImageSet(images, labels, [f"class_{c}" for c in range(SYNTHETIC_CLASSES)], mean, std)
+    return images.permute(0, 2, 3, 1).contiguous(), labels
+
+
+def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, int]]]:
+    """Class names (sorted sub-folder names; hidden ones such as .ipynb_checkpoints skipped) and (path, label) of every
+    image in them, in sub-folders too (torchvision's listing)."""
+    root = os.path.join(data_dir, split)
+    if not os.path.isdir(root):
+        problem = f"has no {split}/ folder" if os.path.isdir(data_dir) else "does not exist"
+        raise UserError(
+            f"DATA_DIR {data_dir} {problem}; point --data_dir at a folder with train/<class>/<image> and "
+            f"test/<class>/<image> inside"
+        )
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise UserError(f"{root} holds no class folders; put one sub-folder per class in it, with the images inside")
+    from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
+
+    try:
+        return classes, make_dataset(root, {name: label for label, name in enumerate(classes)}, IMG_EXTENSIONS)
+    except FileNotFoundError as e:  # a class without images
+        raise UserError(
+            f"{root}: {first_line(e, 120).rstrip('.')}; every class needs images in both train/ and test/: add some, "
+            f"or move the class out of both"
+        ) from None
+
+
+def folder_digest(data_dir: str, samples: list[tuple[str, int]]) -> str:
+    """An image folder's identity without reading an image: every file's name, class and byte size (not its time:
+    copies on other machines must agree). A file replaced by another of the same name and size is not noticed."""
+    digest = hashlib.sha256()
+    for path, label in samples:
+        digest.update(f"{os.path.relpath(path, data_dir)} {label} {os.path.getsize(path)}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def decode(path: str, size: int) -> np.ndarray:
+    """The image file as size x size x 3 uint8 RGB, stretched to the square (bilinear) if it is not. 16-bit grey keeps
+    its levels (Pillow's RGB conversion clips them to white); palette images go through RGBA (their transparency)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a warning never makes an image unreadable (PYTHONWARNINGS=error)
+        with Image.open(path) as image:
+            if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+                image = Image.fromarray(
+                    (np.asarray(image).astype(np.float64).clip(0, 65535) / 257).round().astype(np.uint8)
+                )
+            elif image.mode in ("P", "PA"):
+                image = image.convert("RGBA")
+            image = image.convert("RGB")
+    return np.asarray(image if image.size == (size, size) else image.resize((size, size), Image.BILINEAR))
+
+
+class ImageFiles(Dataset):
+    """A split of an image folder, read from its files. A file that cannot be decoded becomes a black image marked
+    with its index, so that the ranks stop together (all_ranks_stop_if_unreadable) instead of one worker's traceback
+    stopping one rank. Paths are one numpy array, which forked workers share (a list's reference counts copy it)."""
+
+    def __init__(self, samples: list[tuple[str, int]], size: int, data_dir: str) -> None:
+        self.paths = np.array([os.fsencode(path) for path, _ in samples])
+        self.labels, self.size, self.data_dir = torch.tensor([label for _, label in samples]), size, data_dir
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        try:
+            return torch.from_numpy(decode(os.fsdecode(self.paths[index]), self.size)), self.labels[index], -1
+        except Exception:  # truncated, not an image, unsupported: named at the end of the pass
+            return torch.zeros(self.size, self.size, 3, dtype=torch.uint8), self.labels[index], index
+
+    def unreadable(self, indices: list[int]) -> str:
+        names = [os.fsdecode(self.paths[i]) for i in sorted(set(indices))]
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return f"{len(names)} of {len(self):,} images cannot be read: {', '.join(names[:3])}{more}"
+
+
+def reader(
+    files: ImageFiles, batch_size: int, sampler: Any, workers: int, device: torch.device, **options: Any
+) -> DataLoader:
+    """Batches of `files` in the order of `sampler`, decoded by `workers` forked processes a few batches ahead, pinned
+    for GPUs; workers=0 decodes in this process (where a debugger reaches it)."""
+    return DataLoader(
+        files, batch_size, sampler=sampler, num_workers=workers, pin_memory=device.type == "cuda",
+        worker_init_fn=quiet_worker, multiprocessing_context="fork" if workers else None,
+        prefetch_factor=4 if workers else None, **options,
+    )  # fmt: skip
+
+
+def quiet_worker(worker_id: int) -> None:
+    """A decoding process leaves stopping to its rank (a Ctrl-C or scancel reaches every process), and dies with it."""
+    from safeguards.failures import guard_parent, ignore_stop_signals
+
+    ignore_stop_signals()
+    guard_parent()
+
+
+def decode_all(files: ImageFiles, workers: int, indices: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images at `indices`, uint8 NHWC, and their labels; an unreadable one is one line on every rank alike."""
+    batches = list(reader(files, 256, list(indices), workers, torch.device("cpu")))
+    bad = [i for _, _, marks in batches for i in marks.tolist() if i >= 0]
+    if bad:
+        raise UserError(f"{files.unreadable(bad)}; delete or replace them and rerun")
+    return torch.cat([pixels for pixels, _, _ in batches]), torch.cat([labels for _, labels, _ in batches])
+
+
+def channel_statistics(pixels: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and standard deviation of uint8 NHWC images, in 0..1 units (exact integer sums, in chunks)."""
+    sums = torch.zeros(3, 3, dtype=torch.float64)
+    for chunk in pixels.split(1024):
+        x = chunk.reshape(-1, 3).double()
+        sums += torch.stack([torch.full((3,), float(len(x))), x.sum(0), (x * x).sum(0)])
+    count, total, squares = sums / torch.tensor([1.0, 255, 255**2]).view(3, 1)
+    mean = total / count
+    return tuple(mean.tolist()), tuple((squares / count - mean**2).clamp(min=1e-12).sqrt().tolist())
+
+
+# ----------------------------------------------------------------------------- the loaders
+
+
+class Loader:
+    """What both loaders do on the device: crops and flips for training, normalisation, the model's memory format."""
+
+    def __init__(
+        self, augment: bool, mean: tuple, std: tuple, device: torch.device, memory_format: torch.memory_format
+    ) -> None:
+        self.augment, self.device, self.memory_format = augment, device, memory_format
+        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
+
+    def steps_per_epoch(self, global_batch: int) -> int:
+        """Full batches only: a last partial batch is dropped on every rank, every epoch."""
+        return len(self) // global_batch
+
+    def prepare(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """uint8 NHWC -> normalised float NCHW in the model's memory format; with `generator`, cropped and flipped."""
+        if generator is not None and self.augment:
+            pixels = crop_and_flip(pixels, max(1, round(pixels.shape[1] / 8)), generator)  # 4 pixels at 32x32
+        x = (pixels.permute(0, 3, 1, 2).float() - self.mean) / self.std
+        return x.contiguous(memory_format=self.memory_format)
+
+    def augmentation(self, seed: int, epoch: int, rank: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed_for(seed, epoch, rank))  # differs per rank
+
+
+class MemoryLoader(Loader):
+    """A split held on the device: per-epoch shards, batches by indexing."""
+
+    def __init__(self, pixels: torch.Tensor, labels: torch.Tensor, *args: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self.pixels, self.labels = pixels.to(self.device), labels.to(self.device)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def train_batches(self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int) -> Any:
+        local_batch, generator = global_batch // world_size, self.augmentation(seed, epoch, rank)
+        indices = shard_indices(len(self), world_size, rank, seed, epoch).to(self.device)  # DDP: this rank's shard
+        for step in range(self.steps_per_epoch(global_batch)):
+            batch = indices[step * local_batch : (step + 1) * local_batch]
+            yield self.prepare(self.pixels[batch], generator), self.labels[batch]
+
+    def eval_batches(self, world_size: int, rank: int) -> Any:
+        """This rank's contiguous part of the split: over all ranks every image exactly once."""
+        for batch in torch.tensor_split(torch.arange(len(self), device=self.device), world_size)[rank].split(
+            EVAL_BATCH
+        ):
+            yield self.prepare(self.pixels[batch]), self.labels[batch]
+
+
+class StreamLoader(Loader):
+    """A split of an image folder, read from its files as training goes by DataLoader workers (kept across epochs
+    for training, started per pass for evaluation). A file that cannot be decoded stops every rank at the end of the
+    pass, in one line naming it."""
+
+    def __init__(self, files: ImageFiles, workers: int, *args: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self.files, self.workers, self.readers = files, workers, {}
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def train_batches(self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int) -> Any:
+        if "train" not in self.readers:  # DDP: each rank's shard of one shuffle; drop_last: every rank as many steps
+            sampler = DistributedSampler(self.files, world_size, rank, shuffle=True, seed=seed, drop_last=True)
+            self.readers["train"] = reader(self.files, global_batch // world_size, sampler, self.workers, self.device,
+                                           drop_last=True, persistent_workers=self.workers > 0)  # fmt: skip
+        self.readers["train"].sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same on every rank
+        yield from self._batches(self.readers["train"], self.augmentation(seed, epoch, rank))
+
+    def eval_batches(self, world_size: int, rank: int) -> Any:
+        if "eval" not in self.readers:  # no sampler: no image is padded in or left out
+            part = torch.tensor_split(torch.arange(len(self)), world_size)[rank].tolist()
+            self.readers["eval"] = reader(self.files, EVAL_BATCH // 2, part, self.workers, self.device)
+        yield from self._batches(self.readers["eval"], None)
+
+    def _batches(self, batches: DataLoader, generator: torch.Generator | None) -> Any:
+        bad: list[int] = []
+        for pixels, labels, marks in batches:
+            bad += marks[marks >= 0].tolist()  # on the host, from the workers: no device sync
+            pixels, labels = pixels.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+            yield self.prepare(pixels, generator), labels
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, bad)  # DDP: every rank, at the end of each pass
+        if any(everyone):
+            found = [i for theirs in everyone for i in theirs]
+            raise UserError(f"{self.files.unreadable(found)}; put back good copies and resume; {kept_files()}")
+
+
+def seed_for(*parts: int) -> int:
+    """One 63-bit seed from several integers (SEED, epoch, rank)."""
+    value = 0
+    for part in parts:
+        value = (value * 1_000_003 + part + 1) % (2**63)
+    return value
+
+
+def shard_indices(n: int, world_size: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
+    """This rank's shard of the epoch: every rank draws the same permutation (from seed and epoch) and takes every
+    world_size-th entry, so that step s of all ranks together uses the same global batch at any world size. The
+    last n % world_size entries of the permutation sit out the epoch."""
+    permutation = torch.randperm(n, generator=torch.Generator().manual_seed(seed_for(seed, epoch)))
+    return permutation[rank : n - n % world_size : world_size]
+
+
+def crop_and_flip(pixels: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
+    """Random crops of a reflect-padded image (shifts of up to `pad` pixels) and random horizontal flips, drawn per
+    image, done with one gather. uint8 (B, H, W, C) in and out."""
+    batch, height, width, _ = pixels.shape
+    device = pixels.device
+    shifts = torch.randint(-pad, pad + 1, (2, batch, 1), generator=generator, device=device)
+    rows = _reflect(torch.arange(height, device=device) + shifts[0], height)
+    cols = _reflect(torch.arange(width, device=device) + shifts[1], width)
+    flip = torch.rand(batch, 1, generator=generator, device=device) < 0.5
+    cols = torch.where(flip, width - 1 - cols, cols)
+    return pixels[torch.arange(batch, device=device)[:, None, None], rows[:, :, None], cols[:, None, :]]
+
+
+def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
+    """Indices that fall off either edge mirror back into 0..size-1 (reflect padding)."""
+    index = index.abs()
+    return torch.where(index > size - 1, 2 * (size - 1) - index, index)

@@ -1,36 +1,36 @@
-"""Who each process is, and the seed's helpers for DDP. The one place that decides rank, device and backend.
+"""Who each process is, and the seed's helpers for DDP: the one place that decides rank, device and backend.
 
-    run_distribute(worker, world_size, *args) -> int   run worker(rank, world_size, *args) on every rank
-    with process_group(rank, world_size) as dist_info:  setup(), then cleanup() however the block ends
-    setup(rank, world_size) -> DistInfo                 join the group: device, backend and CPU threads
-    cleanup(every_rank_leaves)                          leave the group
+    run_distribute(entrypoint, world_size, *args)   start world_size ranks on this machine, the way torchrun does
+    setup(timeout_s) -> DistInfo                    in a rank: join the process group (device, backend, threads)
+    cleanup()                                       in a rank: every rank meets, then leaves the group
+    all_ranks_try(action)                           a UserError on any rank stops every rank alike
 
-Started by torchrun (RANK, LOCAL_RANK and WORLD_SIZE in the environment) the worker runs in this
-process; otherwise run_distribute starts one process per rank on this machine (processes.py: ports,
-signals, exit codes, failures).
+A rank is a process that torchrun, or run_distribute through torch's own elastic agent (torchrun's engine), started
+with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment.
 """
 
 import datetime
 import functools
 import gc
 import inspect
+import logging
 import os
-import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
-import processes
-from processes import UserError
+from safeguards import failures
+from safeguards.failures import UserError
 
 T = TypeVar("T")
-# DDP options that keep BatchNorm statistics as each rank computes them: evaluation gives every rank rank 0's
-# itself, once per epoch, instead of a broadcast before every training step (torch 2.14 renamed the option).
+# DDP options that leave BatchNorm statistics as each rank computes them: evaluation gives every rank rank 0's, once
+# per epoch, instead of a broadcast before every training step (torch 2.14 renamed the option).
 _RENAMED = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
 NO_BUFFER_SYNC = {"forward_sync_buffers" if _RENAMED else "broadcast_buffers": False}
 
@@ -45,7 +45,6 @@ class DistInfo:
     local_world_size: int  # ranks on this machine
     device: torch.device
     backend: str  # "nccl" or "gloo"
-    restarted: bool = False  # torchrun or SLURM started this run again after a failure or a requeue
 
     @property
     def is_main(self) -> bool:
@@ -53,119 +52,43 @@ class DistInfo:
         return self.rank == 0
 
 
-def run_distribute(worker: Callable[..., None], world_size: int, *args: Any) -> int:
-    """Run worker(rank, world_size, *args) on every rank; the exit code of the whole run (0: every rank
-    finished). Under torchrun this process is one rank and runs the worker itself; otherwise it starts
-    `world_size` processes and waits for them."""
-    if under_torchrun():
-        return processes.run_rank(int(os.environ["RANK"]), worker, world_size, args)
-    return processes.launch(worker, world_size, args)
-
-
-def setup(rank: int, world_size: int, timeout_s: float = 600.0) -> DistInfo:
-    """Join the process group. Collectives that wait longer than `timeout_s` fail instead of hanging."""
-    # torch.distributed.nn's functions take the default group as a default argument: imported after the group
-    # exists (DDP's constructor imports it, through torch._dynamo), they hold the group, so that
-    # destroy_process_group cannot free it and its gloo threads outlive it. At interpreter exit such a thread
-    # freeing a tensor then waits for the GIL and aborts the process ("terminate called without an active
-    # exception", seen in 16 of 115 finished runs). Imported first, they hold nothing (measured: the
-    # group's threads end at destroy).
-    import torch.distributed.nn  # noqa: F401
-
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    device, backend = choose_device(local_rank, local_world_size)
-    options: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before init, so NCCL never puts two ranks on GPU 0
-        options["device_id"] = device
-    torch.set_num_threads(max(1, cpu_cores() // local_world_size))  # the ranks of a machine share its cores
-    store, attempt = processes.torchrun_store(rank, world_size, timeout_s)
-    if store is not None:
-        options["store"] = store
-    dist.init_process_group(backend, rank=rank, world_size=world_size, **options)
-    all_ranks_meet()  # before a rank acts on a stop signal: none leaves a peer still connecting (gloo logs an error)
-    restarted = processes.restart_count() > 0 or attempt > 1
-    return DistInfo(rank, local_rank, world_size, local_world_size, device, backend, restarted)
-
-
-def cleanup(every_rank_leaves: bool) -> None:
-    """Leave the process group. `every_rank_leaves`: all ranks got here together (the normal end, or a
-    UserError that every rank raised); they wait for each other first, since a rank that tears the group
-    down while another still uses it aborts the run. After a failure of some ranks only, the group stays for
-    the rank's exit to drop (processes.run_rank): NCCL's destroy waits for collectives that the peers may never
-    join, and gloo's deadlocks on one that was cut short (docs/performance.md, torch releases)."""
-    if not (every_rank_leaves and dist.is_initialized()):
-        return
-    gc.collect()  # the DDP model and its reducer hold the group: freed first, the group's threads end with it
-    token = all_ranks_meet()
-    dist.destroy_process_group()
-    del token  # freed after the group: torch 2.4's gloo thread could otherwise free it during destroy
-
-
-@contextmanager
-def process_group(rank: int, world_size: int, timeout_s: float = 600.0) -> Iterator[DistInfo]:
-    """setup(), then cleanup() however the block ends. Stop signals are handled from the moment the rank
-    belongs to the group. A failure is reported (processes.report) before the group is left: once one rank
-    exits, the launcher stops the others, and a later report could be lost. It leaves as SystemExit(code)."""
-    info = setup(rank, world_size, timeout_s)
-    together = False
-    try:
-        processes.handle_stop_signals()  # a signal held back while the rank started arrives here, inside the try
-        yield info
-        together = True
-    except BaseException as error:
-        together = isinstance(error, UserError)  # raised on every rank alike (see UserError)
-        code = processes.report(error, info.rank)
-        chained: BaseException | None = error  # its frames and those of the errors it came from: their locals
-        while chained is not None:  # (the model) must not outlive a group that cleanup destroys
-            traceback.clear_frames(chained.__traceback__)
-            chained = chained.__context__
-        raise SystemExit(code) from None
-    finally:
-        cleanup(every_rank_leaves=together)
-
-
-# ----------------------------------------------------------------------------- who and where
-
-
 def under_torchrun() -> bool:
+    """This process is a rank (started by torchrun, or by run_distribute)."""
     return all(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
 
 
-def gpu_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def choose_device(local_rank: int, local_world_size: int) -> tuple[torch.device, str]:
-    """NCCL on this rank's own GPU when there are GPUs, gloo on the CPU otherwise. With every GPU of the
-    machine visible the rank takes GPU `local_rank`; with one GPU visible per process (SLURM's
-    --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank) it takes that one."""
-    visible = gpu_count()
-    if visible == 0:
-        processes.check_gpus_usable()
-        return torch.device("cpu"), "gloo"
-    if visible >= local_world_size:
-        return torch.device("cuda", local_rank), "nccl"
-    if visible == 1:
-        return torch.device("cuda", 0), "nccl"
-    raise UserError(
-        f"{local_world_size} processes on this machine but each sees {visible} GPUs: two ranks would share a "
-        f"GPU; start one process per GPU (--nproc_per_node={visible}), or give each process exactly one GPU"
+def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args: Any) -> None:
+    """Run `entrypoint` (a program such as sys.executable, or a function) with `args` in `world_size` rank processes
+    on this machine, through torch's elastic agent with a standalone rendezvous on a free port: each rank gets what
+    torchrun gives it. Returns when every rank finished; raises ChildFailedError when one fails (the agent then stops
+    the others) and SignalException when this process is stopped (the agent passes the signal on to the ranks)."""
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port
+        local_addr="127.0.0.1",  # else the agent hands the ranks this machine's full hostname, which may not resolve
+        max_restarts=0,
+        monitor_interval=0.1,  # seconds between the agent's looks at the ranks: a failure stops the others at once
+        start_method="fork",  # a function entrypoint only: forked from this process, which imported torch already
     )
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # ranks get a store of their own (pytorch#135712)
+    os.environ[failures.LAUNCHER_PID] = str(os.getpid())  # ranks report to us, and leave if we are gone
+    elastic_logs = logging.getLogger("torch.distributed.elastic")  # the agent's log lines: ours say what happened
+    elastic_logs.addHandler(logging.NullHandler())
+    elastic_logs.propagate = False
+    with failures.ranks_start_with_stops_held():
+        elastic_launch(config, entrypoint)(*args)
 
 
-def resolve_world_size(requested: int) -> int:
-    """The number of ranks: torchrun's when it launched us; else `requested`, 0 meaning every GPU (2
-    processes on a machine without one). Refuses counts that cannot work, before anything starts."""
+def world_size(requested: int, gpus: int) -> int:
+    """The number of ranks: torchrun's when it started this process; else `requested`, 0 meaning every GPU (2
+    processes on a machine without one). Refuses a count that cannot work, before anything starts."""
     if under_torchrun():
-        choose_device(int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        started = int(os.environ["WORLD_SIZE"])
-        if requested not in (0, started) and os.environ["RANK"] == "0":
-            print(f"warning: WORLD_SIZE={requested} is ignored under torchrun, which started {started} ranks")
-        return started
-    if (gpus := gpu_count()) == 0:
-        processes.check_gpus_usable()
+        choose_device(int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpus)
+        return int(os.environ["WORLD_SIZE"])
     if requested < 0:
         raise UserError(f"WORLD_SIZE={requested} is negative; use 0 (every GPU, or 2 CPU processes) or a count")
     if gpus and requested > gpus:
@@ -173,10 +96,69 @@ def resolve_world_size(requested: int) -> int:
     return requested or gpus or 2
 
 
+def choose_device(local_rank: int, local_world_size: int, gpus: int) -> tuple[torch.device, str]:
+    """NCCL on this rank's own GPU when there are GPUs, gloo on the CPU otherwise. With every GPU of the machine
+    visible the rank takes GPU `local_rank`; with one visible per process (SLURM's --gpus-per-task=1) that one."""
+    if gpus == 0:
+        return torch.device("cpu"), "gloo"
+    if gpus >= local_world_size:
+        return torch.device("cuda", local_rank), "nccl"
+    if gpus == 1:
+        return torch.device("cuda", 0), "nccl"
+    raise UserError(
+        f"{local_world_size} processes on this machine but each sees {gpus} GPUs: two ranks would share a GPU; "
+        f"start one process per GPU (--nproc_per_node={gpus}), or give each process exactly one GPU"
+    )
+
+
+def setup(timeout_s: float = 600.0) -> DistInfo:
+    """Join the process group. A collective that waits longer than `timeout_s` fails instead of hanging."""
+    # torch.distributed.nn holds the default group if it is first imported after the group exists (DDP imports it),
+    # and its gloo threads then outlive destroy_process_group: at exit one aborted the process ("terminate called
+    # without an active exception", 16 of 115 finished runs). Imported first, it holds nothing.
+    import torch.distributed.nn  # noqa: F401
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device, backend = choose_device(local_rank, local_world_size, gpus)
+    options: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init, so that NCCL never puts two ranks on GPU 0
+        options["device_id"] = device
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))  # the machine's cores, shared
+    dist.init_process_group(backend, **options)  # DDP: every rank of the run joins
+    return DistInfo(rank, local_rank, world_size, local_world_size, device, backend)
+
+
+def cleanup() -> None:
+    """Leave the process group, every rank together: one that tears the group down while another still uses it (rank 0
+    finishing its files, say) can abort the run. (After a failure a rank ends without it: safeguards.failures.)"""
+    gc.collect()  # the DDP model and its reducer hold the group: freed first, the group's threads end with it
+    all_ranks_try(None)  # DDP: every rank meets
+    dist.destroy_process_group()
+
+
+def all_ranks_try(action: Callable[[], T] | None) -> T | None:
+    """DDP: every rank calls it. The ranks given an `action` run it (rank 0 alone, say); a UserError on any of them is
+    raised on every rank, so that all stop together. Returns this rank's result."""
+    result, error = None, None
+    try:
+        result = action() if action else None
+    except UserError as e:
+        error = str(e)
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # every rank's error or None, read on the host: a barrier on NCCL too
+    first = next((e for e in errors if e), None)
+    if first:
+        raise UserError(first)
+    return result
+
+
 def route_around_cpu_crashes(model: torch.nn.Module, device: torch.device) -> None:
     """On AVX-512 CPUs oneDNN's channels_last weight gradient of a strided 1x1 convolution with at most 8 input
-    channels corrupts the heap (docs/cpu-kinds.md). On CPUs such a convolution takes every stride-th pixel first
-    and then runs with stride 1: the same function through another kernel (faster, too, at those widths)."""
+    channels corrupts the heap (docs/cpu-kinds.md). On CPUs such a convolution takes every stride-th pixel first and
+    then runs with stride 1: the same function through another kernel."""
     for conv in model.modules() if device.type == "cpu" else ():
         if isinstance(conv, torch.nn.Conv2d) and conv.kernel_size == (1, 1) and conv.padding in ((0, 0), "valid"):
             if conv.stride != (1, 1) and conv.in_channels <= 8:
@@ -189,9 +171,9 @@ def _subsample(conv: torch.nn.Module, inputs: tuple[torch.Tensor], stride: tuple
 
 
 def bf16_is_fast(device: torch.device) -> bool:
-    """bf16 autocast pays off on GPUs with bf16 and on CPUs with native bf16 instructions."""
+    """bf16 autocast pays off on GPUs with bf16 (Ampere on) and on CPUs with native bf16 instructions."""
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and newer; older GPUs emulate bf16
+        return torch.cuda.get_device_capability(device) >= (8, 0)
     try:
         with open("/proc/cpuinfo") as f:
             return any(flag in f.read() for flag in ("avx512_bf16", "amx_bf16"))
@@ -203,38 +185,3 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (GPUs run asynchronously; CPUs have nothing queued)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def cpu_cores() -> int:
-    """The cores this process may run on (all of them where the system cannot say, as off Linux)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-# ----------------------------------------------------------------------------- collectives: every rank calls them
-
-
-def all_ranks_meet() -> torch.Tensor:
-    """Wait until every rank gets here, on gloo and NCCL alike: an all-reduce of one number, read back on
-    the host (on NCCL the all-reduce alone returns as soon as it is queued)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    token = torch.zeros(1, device=device)
-    dist.all_reduce(token)
-    token.item()
-    return token
-
-
-def all_ranks_try(action: Callable[[], T] | None) -> T | None:
-    """The ranks given an `action` run it (rank 0 alone, say); if it raises a UserError on any of them,
-    every rank raises it, so that all stop together. Returns this rank's result."""
-    result, error = None, None
-    if action is not None:
-        try:
-            result = action()
-        except UserError as e:
-            error = str(e)
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)  # every rank's error (or None): the first one stops them all
-    first = next((e for e in errors if e), None)
-    if first:
-        raise UserError(first)
-    return result

@@ -1,36 +1,20 @@
 """Train the seed's ResNet on CIFAR-10 with DistributedDataParallel (NCCL on GPUs, gloo on CPUs).
 
     python train_distribute.py                          # every GPU of this machine, or 2 CPU processes
-    python train_distribute.py --epochs 5 --width 16    # override any setting below for one run
-    python train_distribute.py --help                   # every setting, its default and what it does
+    python train_distribute.py --epochs 5 --width 16    # override any setting below for one run (--help lists them)
     torchrun --standalone --nproc_per_node=4 train_distribute.py
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29400 train_distribute.py
 
-Edit a setting below and rerun. Rank 0 prints one line per epoch and writes OUTPUT_DIR/pytorch_res.csv,
-pytorch_res.png and checkpoint.pt. Comments starting "DDP:" mark where the script meets DistributedDataParallel
-and where every rank must take part; calls through `resume.`, `processes.` and `outputs.` keep runs safe and can be
-skipped on a first read, but those marked DDP: (and every `all_ranks_` function) must still run on every rank.
-
-What the default recipe does, and what it measured (docs/performance.md and docs/accuracy.md have the tables; CPU
-figures from 2 ranks on a 2-core x86 CPU with AVX512-bf16 unless named; "points": holdout accuracy at width 16
-after 5 epochs, mean of 2 seeds):
-  - the data set on the device as uint8; batches cut by indexing; crops, flips and normalisation batched there:
-    2.03x the seed's DataLoader pipeline with SGD, 1.92x with Muon, width 64 (python -m benchmarks.throughput)
-  - Muon on the convolution filters, Nesterov SGD on the rest (muon.py): +3.5 points (0.8170 -> 0.8522),
-    about 1.2x the time per epoch; one-cycle LR (20% warm-up, 0.4 per 512 images), weight decay 5e-4
-  - label smoothing 0.2: +1.7 points; flip test-time augmentation +1.1 and a ReLU after each residual sum (the
-    seed has none) +3.3 points (one seed, an earlier version)
-  - bf16 autocast where bf16 is native (1.97x fp32 on that CPU); fp32 where it is emulated (AVX2 CPUs)
-  - channels_last: 1.17x the contiguous layout on a 2-core AVX2 CPU at width 16
-  - files written on a background thread: the time between two epochs' clocks 1.09x -> 1.00x the epoch itself
-    (width 8, 2 AVX2 CPU ranks: python -m benchmarks.writer_stall)
+Edit a setting below and rerun. Rank 0 prints one line per epoch and writes OUTPUT_DIR/pytorch_res.csv, pytorch_res.png
+and checkpoint.pt. Comments starting "DDP:" mark where ranks meet: every rank must make those calls. Calls into
+safeguards/ keep runs safe (resume, one run per folder, files, failures) and can be skipped on a first read.
+The recipe and what each part of it measured: README.md and docs/.
 """
 
 import math
-import os
 import sys
 import time
-from contextlib import closing, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -42,20 +26,15 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-import config
 import data
 import distribute_tools
-import loaders
 import muon
-import outputs
-import processes
-import resume
 from distribute_tools import DistInfo
-from processes import UserError
 from resnet import ResNet
+from safeguards import checks, failures, files, settings, start
+from safeguards.failures import UserError
 
 # ----------------------------------------------------------------------------- settings
-# data
 DATASET: Literal["cifar10", "imagefolder", "synthetic"] = "cifar10"  # downloaded, your images, or generated
 DATA_DIR: str = "./data"  # CIFAR-10 is downloaded here; imagefolder reads DATA_DIR/train/<class>/ and test/<class>/
 SYNTHETIC_SIZE: int = 10_000  # training images of DATASET="synthetic" (and a fifth as many test images)
@@ -63,14 +42,10 @@ OUTPUT_DIR: str = "./output"  # CSV, picture and checkpoint; an earlier run's fi
 IMAGE_SIZE: int = 32  # images of another size are stretched to this square; CIFAR-10 is 32
 LOADER: Literal["auto", "memory", "stream"] = "auto"  # memory: the set on the device; stream: files read as it trains
 NUM_WORKERS: int = -1  # stream: decoding processes per rank; -1: the rank's share of the cores less one (min. 1)
-
-# model
 WIDTH: int = 64  # channels of the first layer: 64 is the seed's network (9.6 M parameters); 8 or 16 for quick runs
 RELU_AFTER_SUM: bool = True  # ReLU on each residual block's sum, as standard ResNets do; False: the seed's block
-
-# recipe
-# the seed's: OPTIMIZER=adam LR=1e-3 SCHEDULE=constant BATCH_SIZE=256 EPOCHS=100 WEIGHT_DECAY=0 LABEL_SMOOTHING=0
-# AUGMENT=False TTA=False RELU_AFTER_SUM=False
+# the recipe; the seed's: --optimizer adam --lr 1e-3 --schedule constant --batch_size 256 --epochs 100
+# --weight_decay 0 --label_smoothing 0 --augment False --tta False --relu_after_sum False
 EPOCHS: int = 30  # passes over the training set
 BATCH_SIZE: int = 512  # global batch: images per optimizer step over all ranks together, split evenly between them
 OPTIMIZER: Literal["sgd", "adam", "muon"] = "muon"  # muon: Muon on the filters, sgd on the rest; adam: the seed's
@@ -84,19 +59,20 @@ AUGMENT: bool = True  # random crops (shifts of up to an eighth of the image, re
 TTA: bool = True  # test-time augmentation: average the logits of each test image and its mirror image
 MUON_SCALE: float = 0.1  # muon: the filters' orthogonalised step, per unit of LR (the run's, batch-scaled)
 SEED: int = 0  # model init, data order and augmentation derive from SEED, the epoch and the rank only
-
-# speed and hardware (a resumed run may change these)
+# speed, hardware and processes (a resumed run may change these)
 AMP: bool = True  # bf16 autocast on GPUs and on CPUs with native bf16 (fp32 elsewhere, or when False)
 COMPILE: bool = False  # torch.compile the model: faster steps after a minute or more of compiling
 ACCUMULATE: int = 1  # split each rank's share of a batch into this many micro-batches (less memory, same recipe)
 SYNC_BN: bool = False  # GPUs: BatchNorm statistics over the global batch instead of each rank's share (small batches)
 BF16_ALLREDUCE: bool = False  # all-reduce gradients in bf16: half the bytes on the wire (many GPUs, slow links)
-
-# processes
-WORLD_SIZE: int = 0  # processes to spawn: 0 = one per GPU (2 on a machine without GPUs); torchrun decides there
-RESUME: bool = False  # continue the run in OUTPUT_DIR from its checkpoint.pt (restarts by torchrun/SLURM do it anyway)
+WORLD_SIZE: int = 0  # processes to start: 0 = one per GPU (2 on a machine without GPUs); torchrun decides there
+RESUME: bool = False  # continue the run in OUTPUT_DIR from its checkpoint.pt (torchrun/SLURM restarts do it anyway)
 COLLECTIVE_TIMEOUT: int = 600  # seconds a rank waits for the others in a collective before the run fails
-PROGRESS_EVERY: int = 20  # steps between progress-bar refreshes on a terminal (one host sync each)
+
+
+def make_model(cfg: SimpleNamespace, num_classes: int) -> nn.Module:
+    """The network. Swap in yours here: any module that maps a batch of images to logits."""
+    return ResNet(cfg.WIDTH, num_classes=num_classes, relu_after_sum=cfg.RELU_AFTER_SUM)
 
 
 # ----------------------------------------------------------------------------- one rank's run
@@ -107,69 +83,63 @@ class Run:
     """What one rank trains with. Built once; the epoch loop reads it."""
 
     cfg: SimpleNamespace
-    dist_info: DistInfo
+    info: DistInfo
     model: nn.Module  # the plain network: evaluation and checkpoints use it
     ddp_model: nn.Module  # the same network wrapped in DDP (and compiled with COMPILE): training steps use it
     optimizer: torch.optim.Optimizer
-    train_data: loaders.Loader
-    test_data: loaders.Loader
+    train_data: data.Loader
+    test_data: data.Loader
     data: dict[str, Any]  # what the checkpoint records of the data: identity, classes, normalisation
     bf16: bool
-    launched_at: float  # time.time() when the launcher started (under torchrun: when this worker started)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.train_data.steps_per_epoch(self.cfg.BATCH_SIZE)
 
     def autocast(self) -> Any:
-        return torch.autocast(self.dist_info.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+        return torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
 
-def main_worker(rank: int, world_size: int, cfg: SimpleNamespace, launched_at: float) -> None:
+def main_worker(cfg: SimpleNamespace) -> None:
     """Everything one rank does, from joining the group to leaving it."""
-    with distribute_tools.process_group(rank, world_size, cfg.COLLECTIVE_TIMEOUT) as dist_info:  # DDP: join and leave
-        if not resume.all_ranks_finished(cfg, dist_info):  # DDP: every rank asks; a late requeue has nothing to do
-            train(build_run(cfg, dist_info, launched_at))  # nothing left holds the model: the group can be destroyed
+    data.prepare(cfg)  # CIFAR-10 downloaded once per machine (a file lock); under the launcher, there already
+    info = distribute_tools.setup(cfg.COLLECTIVE_TIMEOUT)  # DDP: join the group
+    kind, checkpoint = start.all_ranks_begin(cfg, info)  # DDP: new, resumed or finished, decided alike on every rank
+    if kind == "finished":
+        if info.is_main:
+            print(f"already finished: all {cfg.EPOCHS} epochs are in {cfg.OUTPUT_DIR}; nothing to do", flush=True)
+    else:
+        train(build_run(cfg, info), checkpoint)
+    distribute_tools.cleanup()  # DDP: every rank meets, then leaves
 
 
-def build_run(cfg: SimpleNamespace, dist_info: DistInfo, launched_at: float) -> Run:
+def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
     """Data on the device, the network wrapped in DDP, the optimizer."""
-    # DDP: every rank, the same data (checked); held on the device, or streamed with a DistributedSampler
-    train_data, test_data, record = data.load(cfg, dist_info, torch.channels_last)
-    device = dist_info.device
-    torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: pick the fastest convolution once
+    train_data, test_data, record = data.load(cfg, info, torch.channels_last)  # DDP: the ranks compare their data
+    torch.backends.cudnn.benchmark = info.device.type == "cuda"  # fixed shapes: pick the fastest convolution once
     torch.manual_seed(cfg.SEED)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = make_model(cfg, len(record["classes"]))
-    distribute_tools.route_around_cpu_crashes(model, device)  # a oneDNN bug on AVX-512 CPUs: docs/cpu-kinds.md
+    distribute_tools.route_around_cpu_crashes(model, info.device)  # a oneDNN bug on AVX-512 CPUs: docs/cpu-kinds.md
     if cfg.SYNC_BN:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # GPUs only: refused on CPUs before the start
-    model = model.to(device, memory_format=torch.channels_last)  # what tensor cores want; faster on CPUs too
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(info.device, memory_format=torch.channels_last)  # what tensor cores want; faster on CPUs too
     ddp_model: nn.Module = DistributedDataParallel(  # DDP: wrap the model; gradients are all-reduced in buckets
         model,
-        device_ids=[device.index] if device.type == "cuda" else None,
+        device_ids=[info.device.index] if info.device.type == "cuda" else None,
         gradient_as_bucket_view=True,
         **distribute_tools.NO_BUFFER_SYNC,
     )
     if cfg.BF16_ALLREDUCE:
         ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if cfg.COMPILE:
-        ddp_model = torch.compile(ddp_model)  # after wrapping, so DDP's bucketed all-reduce keeps overlapping
-    bf16 = cfg.AMP and distribute_tools.bf16_is_fast(device)  # autocast, and Muon's larger products
-    optimizer = make_optimizer(cfg, model, device, bf16)
-    return Run(cfg, dist_info, model, ddp_model, optimizer, train_data, test_data, record, bf16, launched_at)
-
-
-def make_model(cfg: SimpleNamespace, num_classes: int) -> nn.Module:
-    """The network. Swap in yours here: any module that maps a batch of images to logits."""
-    return ResNet(cfg.WIDTH, num_classes=num_classes, relu_after_sum=cfg.RELU_AFTER_SUM)
+        ddp_model = torch.compile(ddp_model)  # after wrapping, so that DDP's bucketed all-reduce keeps overlapping
+    bf16 = cfg.AMP and distribute_tools.bf16_is_fast(info.device)
+    optimizer = make_optimizer(cfg, model, info.device, bf16)
+    return Run(cfg, info, model, ddp_model, optimizer, train_data, test_data, record, bf16)
 
 
 def make_optimizer(cfg: SimpleNamespace, model: nn.Module, device: torch.device, bf16: bool) -> torch.optim.Optimizer:
     """One fused kernel per step on GPUs, foreach (a few batched kernels) elsewhere; muon: muon.py."""
     if cfg.OPTIMIZER == "muon":
         return muon.MuonSGD(model.parameters(), peak_lr(cfg), cfg.MOMENTUM, cfg.WEIGHT_DECAY, cfg.MUON_SCALE, bf16)
-    kernels = {"fused" if device.type == "cuda" else "foreach": True}
-    options: dict[str, Any] = {"lr": peak_lr(cfg), "weight_decay": cfg.WEIGHT_DECAY, **kernels}
+    options: dict[str, Any] = {"lr": peak_lr(cfg), "weight_decay": cfg.WEIGHT_DECAY}
+    options["fused" if device.type == "cuda" else "foreach"] = True
     if cfg.OPTIMIZER == "adam":
         return torch.optim.Adam(model.parameters(), **options)
     return torch.optim.SGD(model.parameters(), momentum=cfg.MOMENTUM, nesterov=True, **options)
@@ -178,60 +148,77 @@ def make_optimizer(cfg: SimpleNamespace, model: nn.Module, device: torch.device,
 # ----------------------------------------------------------------------------- the epoch loop
 
 
-def train(run: Run) -> None:
+def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     """The epochs: train, evaluate, report; rank 0 hands each epoch's files to a background writer."""
-    cfg, is_main = run.cfg, run.dist_info.is_main
-    # DDP: every rank; rank 0 locks OUTPUT_DIR; a resumed run gets its weights, optimizer state and rows back
-    with resume.start(cfg, run.dist_info, run.data, run.model, run.optimizer) as history:
-        writer = outputs.ResultWriter(cfg.OUTPUT_DIR) if is_main else None  # DDP: rank 0 alone writes files
-        if is_main:
-            print(outputs.describe(run, peak_lr(cfg)), flush=True)
-        earlier_seconds = history[-1]["elapsed_seconds"] if history else 0.0  # a resumed run's clock goes on
-        try:
-            for epoch in range(len(history) + 1, cfg.EPOCHS + 1):
-                started = time.perf_counter()
-                (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
-                test_loss, acc = evaluate(run)
-                epoch_seconds = time.perf_counter() - started
-                # DDP: every rank; rank 0 waits for the previous epoch's files (a failed write stops every rank)
-                waited = distribute_tools.all_ranks_try(writer.wait if writer else None) or 0.0
-                row = {  # the columns are defined, in this order, in outputs.COLUMNS
-                    "epoch": epoch,
-                    "loss": loss_sum / images,
-                    "acc": acc,
-                    "test_loss": test_loss,
-                    "train_acc": correct / images,
-                    "lr": lr,
-                    "epoch_seconds": epoch_seconds,
-                    "elapsed_seconds": earlier_seconds + time.time() - run.launched_at,
-                    "images_per_second": images / train_seconds,
-                    "peak_memory_mb": outputs.all_ranks_peak_memory_mb(run.dist_info.device),  # DDP: max of ranks
-                    "write_wait_seconds": waited,
-                }
-                history.append(outputs.checked_row(row))  # plain numbers, every key a column
-                if writer:
-                    writer.submit(checkpoint(run, history), history)
-                    print(outputs.epoch_line(row, cfg.EPOCHS), flush=True)
-        finally:
+    cfg, info, started = run.cfg, run.info, time.perf_counter()
+    history = []
+    if checkpoint:  # the checkpoint's weights, optimizer state and rows, once its data and network are checked
+        history = start.restore(checkpoint, run.model, run.optimizer, run.data["identity"], cfg.OUTPUT_DIR)
+    writer = files.ResultWriter(cfg.OUTPUT_DIR) if info.is_main else None  # DDP: rank 0 alone writes files
+    if writer:
+        print(describe(run), flush=True)
+    earlier_seconds = history[-1]["elapsed_seconds"] if history else 0.0  # a resumed run's clock goes on
+    try:
+        for epoch in range(len(history) + 1, cfg.EPOCHS + 1):
+            epoch_started = time.perf_counter()
+            (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
+            test_loss, acc = evaluate(run)
+            epoch_seconds = time.perf_counter() - epoch_started
+            # DDP: every rank; rank 0 waits for the previous epoch's files (a failed write stops every rank)
+            waited = distribute_tools.all_ranks_try(writer.wait if writer else None) or 0.0
+            row = {  # one CSV column per key, in this order
+                "epoch": epoch,
+                "loss": loss_sum / images,  # mean training loss over every image of the epoch on all ranks
+                "acc": acc,  # test accuracy, every test image exactly once
+                "test_loss": test_loss,
+                "train_acc": correct / images,
+                "lr": lr,  # at the epoch's last step
+                "epoch_seconds": epoch_seconds,  # this epoch's training steps and evaluation
+                "elapsed_seconds": earlier_seconds + time.perf_counter() - started,
+                "images_per_second": images / train_seconds,  # all ranks' training images per second of steps
+                "peak_memory_mb": all_ranks_peak_memory_mb(info.device),  # DDP: the largest rank's
+                "write_wait_seconds": waited,  # how long training waited for the previous epoch's files
+            }
+            history.append(row)
             if writer:
-                writer.close()  # every completed epoch's files are on disk before this rank leaves
-        processes.finished()  # from here a Ctrl-C or stop signal changes nothing: the run is complete
-        if is_main:
-            print(outputs.summary_line(history, cfg.OUTPUT_DIR), flush=True)
+                writer.submit(checkpoint_of(run, history), history)
+                print(f"epoch {epoch}/{cfg.EPOCHS}  loss {row['loss']:.4f}  acc {acc:.4f}  test_loss {test_loss:.4f}  "
+                      f"lr {lr:.4g}  {epoch_seconds:.1f} s  {row['images_per_second']:,.0f} img/s", flush=True)  # fmt: skip
+    finally:
+        if writer:
+            writer.close()  # every completed epoch's files are on disk before this rank leaves
+    failures.ignore_stop_signals()  # the run is complete: a stop signal now changes nothing
+    if writer:
+        best = max(history, key=lambda row: row["acc"])
+        print(f"done: {len(history)} epochs; best acc {best['acc']:.4f} (epoch {best['epoch']}), final acc "
+              f"{history[-1]['acc']:.4f}; results in {cfg.OUTPUT_DIR}", flush=True)  # fmt: skip
 
 
-def checkpoint(run: Run, history: list[dict[str, float]]) -> dict[str, Any]:
+def checkpoint_of(run: Run, history: list[dict]) -> dict[str, Any]:
     """What checkpoint.pt holds: weights (no DDP prefixes), optimizer, the rows so far, what resume checks."""
     state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "history": history}
-    return {**state, "epoch": len(history), "config": vars(run.cfg), "data": run.data, "run_ids": resume.run_ids()}
+    return {**state, "epoch": len(history), "config": vars(run.cfg), "data": run.data, "run_ids": start.run_ids()}
+
+
+def describe(run: Run) -> str:
+    """Rank 0's first line: what the run is."""
+    cfg, info = run.cfg, run.info
+    parameters = sum(p.numel() for p in run.model.parameters())
+    width = f"width={cfg.WIDTH}, " if "WIDTH" in cfg.__dict__ and isinstance(run.model, ResNet) else ""
+    return (
+        f"{type(run.model).__name__}({width}{parameters:,} parameters) on {cfg.DATASET} ({len(run.train_data):,} "
+        f"train, {len(run.test_data):,} test images) | loader {run.data['loader']} | {info.world_size} rank(s) on "
+        f"{info.device.type} ({info.backend}) | global batch {cfg.BATCH_SIZE}, "
+        f"{run.train_data.steps_per_epoch(cfg.BATCH_SIZE)} steps per epoch, {cfg.EPOCHS} epochs | {cfg.OPTIMIZER} "
+        f"peak lr {peak_lr(cfg):.4g} | {'bf16 autocast' if run.bf16 else 'fp32'}"
+    )
 
 
 # ----------------------------------------------------------------------------- training
 
 
 def peak_lr(cfg: SimpleNamespace) -> float:
-    """SGD's (and Muon's) learning rate grows linearly with the global batch (LR is per 512 images); Adam's is used
-    as given."""
+    """SGD's and Muon's learning rate grows with the global batch (LR is per 512 images); Adam's is used as given."""
     return cfg.LR * cfg.BATCH_SIZE / 512 if cfg.OPTIMIZER != "adam" else cfg.LR
 
 
@@ -245,40 +232,37 @@ def lr_at(step: int, total_steps: int, peak: float, schedule: str, warmup: float
     return peak * (total_steps - step) / max(1, total_steps - warmup_steps)
 
 
-def loss_function(cfg: SimpleNamespace) -> nn.Module:
-    return nn.CrossEntropyLoss(label_smoothing=cfg.LABEL_SMOOTHING)
-
-
 def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
-    """One epoch of training steps. Returns the all-ranks sums [loss x images, correct, images], this rank's
-    seconds of training (steps only) and the last step's learning rate."""
-    cfg, dist_info, steps = run.cfg, run.dist_info, run.steps_per_epoch
-    sums = torch.zeros(3, device=dist_info.device)  # on the device: no host sync per step
+    """One epoch of training steps. Returns the all-ranks sums [loss x images, correct, images], this rank's seconds
+    of training steps and the last step's learning rate."""
+    cfg, info = run.cfg, run.info
+    steps, loss_fn = (
+        run.train_data.steps_per_epoch(cfg.BATCH_SIZE),
+        nn.CrossEntropyLoss(label_smoothing=cfg.LABEL_SMOOTHING),
+    )
+    sums = torch.zeros(3, device=info.device)  # on the device: no host sync per step
     run.ddp_model.train()
-    distribute_tools.synchronize(dist_info.device)
-    started, lr, loss_fn = time.perf_counter(), 0.0, loss_function(cfg)
-    # DDP: this rank's shard of the epoch (every rank draws the same permutation and takes its own part)
-    batches = run.train_data.train_batches(cfg.BATCH_SIZE, dist_info.world_size, dist_info.rank, cfg.SEED, epoch)
-    bar = outputs.Progress(dist_info.is_main, cfg.PROGRESS_EVERY, epoch, cfg.EPOCHS, steps, dist_info.world_size)
-    with closing(bar):  # closed however the epoch ends: a line that ends the run starts on a clean line
-        for step, (x, y) in enumerate(batches):
-            lr = lr_at((epoch - 1) * steps + step, cfg.EPOCHS * steps, peak_lr(cfg), cfg.SCHEDULE, cfg.WARMUP)
-            train_step(run, x, y, lr, loss_fn, sums)
-            bar.update(step, sums)
-    distribute_tools.synchronize(dist_info.device)
+    distribute_tools.synchronize(info.device)
+    started, lr = time.perf_counter(), 0.0
+    # DDP: this rank's shard of the epoch (every rank draws the same order and takes its own part)
+    batches = run.train_data.train_batches(cfg.BATCH_SIZE, info.world_size, info.rank, cfg.SEED, epoch)
+    for step, (x, y) in enumerate(progress(batches, steps, f"epoch {epoch}/{cfg.EPOCHS}", info.is_main)):
+        lr = lr_at((epoch - 1) * steps + step, cfg.EPOCHS * steps, peak_lr(cfg), cfg.SCHEDULE, cfg.WARMUP)
+        train_step(run, x, y, lr, loss_fn, sums)
+    distribute_tools.synchronize(info.device)
     seconds = time.perf_counter() - started
     dist.all_reduce(sums)  # DDP: the epoch's sums over all ranks, once
     loss_sum, correct, images = sums.tolist()
     if not math.isfinite(loss_sum):  # every rank sees the same sums: all stop, the last good checkpoint stays
-        kept = f"kept the checkpoint of epoch {epoch - 1}" if epoch > 1 else "no checkpoint was written"
-        message = f"the training loss became {loss_sum} in epoch {epoch}; stopped every rank and {kept} in "
-        raise UserError(message + f"{cfg.OUTPUT_DIR}; lower --lr (now {cfg.LR}) and start a new run")
+        raise UserError(
+            f"the training loss became {loss_sum} in epoch {epoch}; lower --lr (now {cfg.LR}); {failures.kept_files()}"
+        )
     return [loss_sum, correct, images], seconds, lr
 
 
-def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: nn.Module, sums: torch.Tensor) -> None:
-    """One optimizer step on this rank's share of the global batch, in ACCUMULATE micro-batches. Adds
-    [loss x images, correct, images] to the device tensor `sums` (no host sync)."""
+def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: Callable, sums: torch.Tensor) -> None:
+    """One optimizer step on this rank's share of the global batch, in ACCUMULATE micro-batches. Adds [loss x images,
+    correct, images] to the device tensor `sums` (no host sync)."""
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     run.optimizer.zero_grad(set_to_none=True)
@@ -295,18 +279,41 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: n
     run.optimizer.step()  # DDP: Muon's step broadcasts each rank's share of the filters' updates
 
 
+def progress(batches: Any, steps: int, title: str, is_main: bool) -> Any:
+    """Rank 0's progress bar on a terminal (steps only: no host sync); plain batches elsewhere."""
+    if not (is_main and sys.stdout.isatty()):
+        return batches
+    from tqdm import tqdm
+
+    return tqdm(batches, total=steps, desc=title, unit="step", leave=False, file=sys.stdout)
+
+
+def all_ranks_peak_memory_mb(device: torch.device) -> float:
+    """DDP: every rank. The largest rank's peak memory: GPU memory allocated, or resident memory on CPU."""
+    import resource
+
+    mine = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    peak = torch.tensor([mine / 2**20], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return round(peak.item(), 1)
+
+
 # ----------------------------------------------------------------------------- evaluation
 
 
 @torch.no_grad()
 def evaluate(run: Run) -> tuple[float, float]:
-    """Mean test loss and accuracy over the whole test set, each image exactly once: every rank evaluates its own
-    part with the plain network (never the DDP wrapper), then the sums meet."""
+    """Mean test loss and accuracy over the whole test set, each image exactly once: every rank evaluates its own part
+    with the plain network (never the DDP wrapper), then the sums meet."""
     for buffer in run.model.buffers():  # DDP: every rank evaluates with rank 0's BatchNorm statistics
         dist.broadcast(buffer, src=0)
     run.model.eval()
-    sums = torch.zeros(3, device=run.dist_info.device)
-    for x, y in run.test_data.eval_batches(run.dist_info.world_size, run.dist_info.rank):
+    sums = torch.zeros(3, device=run.info.device)
+    for x, y in run.test_data.eval_batches(run.info.world_size, run.info.rank):
         with run.autocast():
             logits = run.model(x).float()
             if run.cfg.TTA:
@@ -323,27 +330,32 @@ def evaluate(run: Run) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- the launcher
 
 
-def main(argv: list[str]) -> int:
-    """Read and check the settings, get the data ready once, then start the ranks; the run's exit code."""
-    launched_at = processes.launcher_started()  # from here a stop signal, too, ends the launcher in one line
-    try:
-        cfg = config.read_config(__file__, argv)
-        world_size = check_before_start(cfg)
-        return distribute_tools.run_distribute(main_worker, world_size, cfg, launched_at)  # DDP: a process per rank
-    except (UserError, KeyboardInterrupt, processes.Preempted) as error:  # a mistake, or a stop before the ranks
-        return processes.report(error, rank=0)  # one line (once per machine): exit 2, 130 or 75
+def main(argv: list[str], entrypoint: Callable | str = sys.executable) -> int:
+    """`python train_distribute.py`: check the settings, get the data once, start the ranks; the run's exit code. A
+    rank (started by torchrun, or by this launcher through torch's elastic agent) runs main_worker."""
+    if distribute_tools.under_torchrun():
+        return failures.run_rank(lambda: main_worker(read_and_check(argv)[0]))
+    return failures.run_launcher(lambda: launch(argv, entrypoint))
 
 
-def check_before_start(cfg: SimpleNamespace) -> int:
-    """Every check that needs no rank, each one line before anything starts, and the data made ready once; returns
-    the world size. Under torchrun every rank runs this, and the ranks prepare the data and claim OUTPUT_DIR."""
-    world_size = distribute_tools.resolve_world_size(cfg.WORLD_SIZE)
-    config.check_against_machine(cfg, world_size, distribute_tools.gpu_count())
-    data.check_sizes(cfg, lambda classes: make_model(cfg, classes), int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    if not (resume.finished_here(cfg) or distribute_tools.under_torchrun()):  # finished: the ranks say so
-        resume.check_before_start(cfg)
-        data.prepare(cfg)  # download, or check every image's header, once for every rank
-    return world_size
+def read_and_check(argv: list[str]) -> tuple[SimpleNamespace, int]:
+    """The settings and the world size, and every check that needs no rank: one line each, before anything starts."""
+    cfg = settings.read(sys.modules[__name__], argv)
+    gpus = checks.gpus_usable()
+    world_size = distribute_tools.world_size(cfg.WORLD_SIZE, gpus)
+    checks.before_start(cfg, world_size, gpus, lambda classes: make_model(cfg, classes), data.sizes(cfg))
+    return cfg, world_size
+
+
+def launch(argv: list[str], entrypoint: Callable | str) -> None:
+    """The launcher: the checks, the start rule on this machine's OUTPUT_DIR, the data made ready once, the ranks."""
+    cfg, world_size = read_and_check(argv)
+    if start.decide_here(cfg) == "finished":  # a resume of a complete run has nothing to do
+        print(f"already finished: all {cfg.EPOCHS} epochs are in {cfg.OUTPUT_DIR}; nothing to do", flush=True)
+        return
+    data.prepare(cfg)  # download CIFAR-10 once, for every rank
+    args = ("-u", __file__, *argv) if isinstance(entrypoint, str) else (argv,)  # a program, or a function of argv
+    distribute_tools.run_distribute(entrypoint, world_size, *args)  # DDP: a process per rank
 
 
 if __name__ == "__main__":

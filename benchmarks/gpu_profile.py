@@ -11,14 +11,14 @@ import argparse
 import os
 import time
 
+import config
 import torch
+from processes import free_port
 from torch.profiler import ProfilerActivity, profile
 
-import config
 import distribute_tools
 import train_distribute as td
 from distribute_tools import cleanup, setup
-from processes import free_port
 
 
 def main() -> None:

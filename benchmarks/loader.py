@@ -36,9 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import config  # noqa: E402
-import distribute_tools  # noqa: E402
 import image_folder  # noqa: E402
 import loaders  # noqa: E402
+
+import distribute_tools  # noqa: E402
 import train_distribute as td  # noqa: E402
 from distribute_tools import process_group, run_distribute  # noqa: E402
 

@@ -22,20 +22,20 @@ import tempfile
 import time
 from pathlib import Path
 
+import config
+import outputs
 import pandas as pd
 import torch
+from processes import UserError
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-import config
 import distribute_tools
-import outputs
 import train_distribute as td
 from data import make_synthetic
 from distribute_tools import bf16_is_fast, choose_device, cleanup, cpu_cores, resolve_world_size, run_distribute, setup
-from processes import UserError
 from resnet import ResNet
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, for the MFU line

@@ -16,9 +16,8 @@ import sys
 import tempfile
 import time
 
-import pandas as pd
-
 import outputs
+import pandas as pd
 
 if os.environ.get("WRITE_IN_LINE") == "1":  # at the top level: spawned ranks run this too
 

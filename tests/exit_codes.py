@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import processes
+
 import train_distribute
 
 OUT_DIR = os.environ.get("EXIT_CODES_DIR", "")

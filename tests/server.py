@@ -26,11 +26,11 @@ import traceback
 
 import matplotlib.backends.backend_agg  # noqa: F401 (what the picture's first drawing would import)
 import matplotlib.figure  # noqa: F401
+import processes
 import torch
 import torch._dynamo  # noqa: F401 (what DDP's constructor would import in every rank)
 import tqdm  # noqa: F401
 
-import processes
 import tests.hooked_run
 import tests.workers  # noqa: F401 (imported once here, for the runs that call its workers)
 import train_distribute

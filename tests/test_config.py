@@ -4,11 +4,11 @@ resume rule, and the learning-rate schedule (in-process, no workers)."""
 import shutil
 import typing
 
-import pytest
-
 import config
-import train_distribute as td
+import pytest
 from processes import UserError
+
+import train_distribute as td
 from tests.conftest import ROOT, read_config, run_script
 
 SETTINGS = config.read_settings(td.__file__)

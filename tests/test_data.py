@@ -4,16 +4,16 @@ import shutil
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
+import image_folder
 import pytest
 import torch
+from loaders import DeviceLoader, crop_and_flip, shard_indices
 from PIL import Image
+from processes import UserError
 from torchvision.datasets import CIFAR10
 
 import data
-import image_folder
 from data import ImageSet
-from loaders import DeviceLoader, crop_and_flip, shard_indices
-from processes import UserError
 from tests.conftest import read_config
 
 

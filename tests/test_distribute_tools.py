@@ -6,11 +6,11 @@ import os
 import socket
 import time
 
+import processes
 import pytest
 import torch
 
 import distribute_tools as dt
-import processes
 from tests.conftest import call, clean_env, run_script
 
 

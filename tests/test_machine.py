@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-import torch
-
 import image_folder
 import outputs
+import pytest
+import torch
 from processes import UserError
+
 from tests.conftest import HANG_TIMEOUT, TINY, call, clean_env, image_folder_of_noise, launch, run_script, width
 
 FOLDER = [*width(4), "--dataset=imagefolder", "--image_size=16", "--batch_size=16", "--epochs=1", "--loader=memory"]

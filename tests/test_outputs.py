@@ -8,13 +8,13 @@ import threading
 import time
 from pathlib import Path
 
+import outputs
 import pandas as pd
 import pytest
-import torch
-
-import outputs
 import resume
+import torch
 from processes import UserError
+
 from tests.conftest import Launched, clean_env, launch, read_config
 
 

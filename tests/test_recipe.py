@@ -5,15 +5,15 @@ import os
 import shutil
 
 import pytest
+import resume
 import torch
 import torch.nn.functional as F
-
-import muon
-import resume
-import train_distribute as td
-from distribute_tools import cleanup, setup
 from outputs import load_checkpoint
 from processes import UserError, free_port
+
+import muon
+import train_distribute as td
+from distribute_tools import cleanup, setup
 from tests.conftest import TINY, read_config
 
 

@@ -7,10 +7,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import outputs
 import pandas as pd
 import pytest
 
-import outputs
 from tests import slurm_cluster
 from tests.conftest import model_name, snapshot, width
 

@@ -6,14 +6,14 @@ import shutil
 import warnings
 from pathlib import Path
 
+import image_folder
 import numpy as np
+import processes
 import pytest
 import torch
 from PIL import Image
 from torch.utils.data.distributed import DistributedSampler
 
-import image_folder
-import processes
 from tests.conftest import (
     HANG_TIMEOUT,
     SCRIPT,

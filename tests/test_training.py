@@ -17,14 +17,14 @@ import termios
 import time
 from pathlib import Path
 
-import pandas as pd
-import pytest
-import torch
-
 import outputs
+import pandas as pd
 import processes
+import pytest
 import resume
+import torch
 from processes import UserError
+
 from tests.conftest import (
     HANG_TIMEOUT,
     SCRIPT,

@@ -10,14 +10,14 @@ import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
+import outputs
+import processes
 import torch
 from torch import nn
 
 import data
 import distribute_tools
 import muon
-import outputs
-import processes
 import train_distribute as td
 from distribute_tools import cleanup, setup
 from tests.conftest import read_config, width

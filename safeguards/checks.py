@@ -1,0 +1,68 @@
+"""Every check that needs no rank, each one line naming the fix, before anything starts (in the launcher; under
+torchrun in every rank before it joins the group)."""
+
+import os
+import shutil
+import subprocess
+import traceback
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+
+from safeguards.failures import UserError, first_line
+
+
+def before_start(
+    cfg: SimpleNamespace, world_size: int, gpus: int, make_model: Callable[[int], torch.nn.Module], sizes: tuple
+) -> None:
+    """The settings against the ranks, the hardware, the data's sizes (train images, classes) and the network."""
+    if cfg.BATCH_SIZE % (world_size * cfg.ACCUMULATE):
+        raise UserError(
+            f"BATCH_SIZE={cfg.BATCH_SIZE} does not split evenly over {world_size} ranks x {cfg.ACCUMULATE} "
+            f"micro-batches; use a multiple of {world_size * cfg.ACCUMULATE}"
+        )
+    if cfg.SYNC_BN and not gpus:
+        raise UserError("SYNC_BN=True needs GPUs (torch's SyncBatchNorm runs on CUDA only); use --sync_bn False")
+    if cfg.DATASET == "cifar10" and cfg.IMAGE_SIZE != 32:
+        raise UserError(f"IMAGE_SIZE={cfg.IMAGE_SIZE} but CIFAR-10's images are 32x32; use --image_size 32")
+    if cfg.LOADER == "stream" and cfg.DATASET != "imagefolder":
+        raise UserError(
+            f"LOADER='stream' reads image folders; DATASET={cfg.DATASET!r} is held in memory: use --loader auto"
+        )
+    train_images, classes = sizes
+    if train_images < cfg.BATCH_SIZE:
+        raise UserError(
+            f"the training set has {train_images} images, fewer than one global batch (BATCH_SIZE={cfg.BATCH_SIZE}); "
+            f"lower --batch_size"
+        )
+    for device in ("meta", "cpu"):  # meta allocates nothing; a constructor that computes with tensors needs the CPU
+        try:
+            with torch.device(device):
+                make_model(classes)
+            return
+        except Exception as e:
+            error, where = e, traceback.extract_tb(e.__traceback__)[-1]
+    raise UserError(
+        f"make_model cannot build the network ({type(error).__name__}: {first_line(error)}, at "
+        f"{os.path.basename(where.filename)}:{where.lineno}); fix make_model or the network's settings"
+    )
+
+
+def gpus_usable() -> int:
+    """The GPUs torch can use. GPUs that the driver shows but torch cannot use must not leave a run on the CPU
+    unnoticed; CUDA_VISIBLE_DEVICES= (empty) asks for the CPU on purpose."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or not shutil.which("nvidia-smi"):
+        return 0
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    if any(line.startswith("GPU ") for line in listing.splitlines()):
+        raise UserError(
+            f"nvidia-smi shows GPUs but torch {torch.__version__} cannot use them; install a torch build for this "
+            f"driver (pytorch.org), or train on the CPU on purpose with CUDA_VISIBLE_DEVICES= python train_distribute.py"
+        )
+    return 0

@@ -1,0 +1,206 @@
+"""How a run ends: stop signals, and the one place that turns a failure into its line and exit code.
+
+    0 finished    2 a mistake the user can fix (one line)    75 stopped by SIGTERM or SIGUSR1 (resumable)
+    130 Ctrl-C    1 anything else: a rank failed or was killed
+
+Started by `python train_distribute.py`, a rank writes its line into the file torch's elastic agent reads
+(TORCHELASTIC_ERROR_FILE) and the launcher prints the line of the run; under torchrun, the rank prints it.
+"""
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+
+EXIT_MISTAKE, EXIT_STOPPED, EXIT_INTERRUPTED = 2, 75, 130
+EXIT_PEER_LOST = 3  # a rank that only lost a peer: the launcher names the rank that failed first (the run exits 1)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+LAUNCHER_PID = "RESNET_DDP_LAUNCHER_PID"  # set by our launcher for its ranks; absent under torchrun
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+NOTHING_KEPT = "it stopped before any epoch finished; nothing to resume: start the run again"
+
+
+class UserError(Exception):
+    """A problem the user can fix: one line naming it and the fix, exit 2. Raise it only for a condition that every
+    rank sees alike, so that all ranks stop together."""
+
+
+class Stopped(BaseException):
+    """A stop signal reached this process: the run ends, its files finished first, and can resume later."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_received: list[int] = []  # the stop signal this process got, if any
+_kept: list[Callable[[], str]] = []  # says which epoch's files a run that ends now keeps (tell_kept_files)
+
+
+def tell_kept_files(describe: Callable[[], str]) -> None:
+    _kept[:] = [describe]
+
+
+def kept_files() -> str:
+    return _kept[0]() if _kept else NOTHING_KEPT
+
+
+def handle_stop_signals() -> None:
+    """From here on the first stop signal raises Stopped; a later one changes nothing (the files are being finished).
+    A signal held back until now (see ranks_start_with_stops_held) arrives here."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        if not _received:
+            _received.append(signum)
+            raise Stopped(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def ignore_stop_signals() -> None:
+    """The run is complete, or is ending: a signal now must not change how."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def ranks_start_with_stops_held() -> Iterator[None]:
+    """Rank processes started in the block inherit the stop signals held back, so that a Ctrl-C while they import
+    torch waits for their handle_stop_signals instead of printing a traceback. This process still gets them: a
+    thread that does not hold them back takes them, and Python runs the handlers in the main thread as always."""
+    threading.Thread(target=threading.Event().wait, name="stop-signals", daemon=True).start()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def guard_parent() -> None:
+    """A rank must not outlive its launcher or torchrun (kill -9 of it) holding the GPU and OUTPUT_DIR: Linux sends
+    it SIGKILL when its parent dies. A launcher already gone: leave now."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher and os.getppid() != int(launcher):
+        os._exit(EXIT_STOPPED)
+
+
+# ----------------------------------------------------------------------------- the one place for lines and codes
+
+
+def run_rank(body: Callable[[], None]) -> int:
+    """One rank from its first line to its exit code. After a failure the process ends at once: tearing down a group
+    that peers left can hang (NCCL waits for them; gloo deadlocked on torch 2.4), and the system closes it anyway."""
+    guard_parent()
+    try:
+        handle_stop_signals()  # a stop held back while this rank started arrives here
+        body()
+        return 0
+    except BaseException as error:  # every way out of a rank becomes its line and code
+        ignore_stop_signals()
+        code, line = outcome(error)
+        _say(code, line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_launcher(body: Callable[[], None]) -> int:
+    """The launcher: 0 when every rank finished, else the code of how the run ended, with its one line."""
+    try:
+        handle_stop_signals()
+        body()
+        return 0
+    except BaseException as error:
+        code, line = outcome(error)
+        print(line, file=sys.stderr, flush=True)
+        return code
+    finally:
+        ignore_stop_signals()  # a late Ctrl-C cannot turn a finished run into an interrupted one
+
+
+def outcome(error: BaseException) -> tuple[int, str]:
+    """The exit code and the line of a process that ends with `error`, in a rank or in the launcher."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if isinstance(error, SystemExit):
+        return (error.code if isinstance(error.code, int) else int(error.code is not None)), ""
+    stop = (
+        signal.SIGINT
+        if isinstance(error, KeyboardInterrupt)
+        else error.sigval
+        if isinstance(error, SignalException)
+        else None
+    )
+    stop = _received[0] if _received else stop
+    if stop is not None:
+        word = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
+        return (EXIT_INTERRUPTED if stop == signal.SIGINT else EXIT_STOPPED), f"{word}: {kept_files()}"
+    if isinstance(error, ChildFailedError):  # the launcher: the rank that failed first, not one that lost its peer
+        rank, failure = min(error.failures.items(), key=lambda it: (it[1].exitcode == EXIT_PEER_LOST, it[1].timestamp))
+        if failure.exitcode in (EXIT_STOPPED, EXIT_INTERRUPTED):  # the ranks were signalled, not the launcher
+            _received.append(signal.SIGINT if failure.exitcode == EXIT_INTERRUPTED else signal.SIGTERM)
+            return outcome(error)
+        if failure.exitcode == EXIT_MISTAKE:
+            return EXIT_MISTAKE, failure.message
+        how = (
+            f"exited with code {failure.exitcode}" if failure.exitcode > 0 else f"was killed by {failure.signal_name()}"
+        )
+        hint = " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if failure.exitcode == -signal.SIGKILL else ""
+        return 1, f"error: rank {rank} {how}{hint}; stopped the other ranks; {kept_files()}"
+    error = _as_user_error(error)
+    if isinstance(error, UserError):
+        return EXIT_MISTAKE, f"error: {error}"
+    rank = os.environ.get("RANK", "0")
+    if any(text in str(error) for text in PEER_LOST):
+        code = EXIT_PEER_LOST if os.environ.get(LAUNCHER_PID) else 1
+        return code, f"[rank {rank}] stopped: another rank failed or was stopped ({first_line(error)})"
+    lines = "".join(traceback.format_exception(error)).rstrip().splitlines()
+    print("\n".join(f"[rank {rank}] {line}" for line in lines), file=sys.stderr, flush=True)
+    return 1, f"error: rank {rank} failed with {type(error).__name__}: {first_line(error)}"
+
+
+def _say(code: int, line: str) -> None:
+    """Under our launcher the line goes to the launcher, which prints the run's; under torchrun this rank prints it
+    where it is the one to: rank 0 for a stop (it holds the files), each machine's local rank 0 for a mistake."""
+    if os.environ.get(LAUNCHER_PID):
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+        return
+    first = {EXIT_STOPPED: "RANK", EXIT_INTERRUPTED: "RANK", EXIT_MISTAKE: "LOCAL_RANK"}.get(code)
+    if line and (first is None or os.environ.get(first) == "0"):
+        print(line, file=sys.stderr, flush=True)
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
+    )
+    if code == EXIT_MISTAKE and restarts_left > 0:  # a mistake fails again after a restart: ask torchrun to stop
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM ends every worker; none leaves first
+        for _ in range(5):  # again each second: a signal that lands while torchrun forks a worker is dropped
+            if os.environ.get("LOCAL_RANK") == "0":
+                os.kill(os.getppid(), signal.SIGTERM)
+            time.sleep(1)
+
+
+def _as_user_error(error: BaseException) -> BaseException:
+    """DDP's error for a network with parameters that no step uses, as the one line it deserves."""
+    if not (isinstance(error, RuntimeError) and "find_unused_parameters=True" in str(error)):
+        return error
+    unused = str(error).rpartition("did not receive grad for ")[2].split("\n")[0].strip()
+    return UserError(
+        f"the network has parameters that no training step uses ({unused or 'see TORCH_DISTRIBUTED_DEBUG=DETAIL'}); "
+        f"pass find_unused_parameters=True to DistributedDataParallel in build_run, or leave them out"
+    )
+
+
+def first_line(error: BaseException, limit: int = 160) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]

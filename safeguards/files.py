@@ -1,0 +1,155 @@
+"""Rank 0's files in OUTPUT_DIR, each written to a temporary name and renamed over the old one (a crash or kill -9
+at any moment leaves the previous whole file or the new whole file), on a background thread so that training never
+waits for the disk."""
+
+import errno
+import os
+import resource
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pandas as pd
+import torch
+
+from safeguards.failures import UserError, first_line
+
+CSV_NAME, PLOT_NAME, CHECKPOINT_NAME = "pytorch_res.csv", "pytorch_res.png", "checkpoint.pt"
+RESULT_FILES = (CSV_NAME, PLOT_NAME, CHECKPOINT_NAME)
+PLOT_SHARE = 0.02  # the picture, the slowest file, is redrawn at most this share of the time
+
+
+class ResultWriter:
+    """Writes each epoch's checkpoint, CSV and picture on a background thread, in that order. At most one epoch is
+    pending: wait() blocks until the previous epoch's files are on disk, so a kill -9 loses at most the epoch in
+    flight. close() finishes everything, however the run ends."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
+        self.pending: Future | None = None
+        self.saved: list[dict] = []  # the rows whose checkpoint and CSV are on disk
+        self.plotted, self.next_plot = 0, 0.0
+
+    def wait(self) -> float:
+        """Seconds waited for the files handed over last; a failed write is one line naming the file and the fix."""
+        started, pending, self.pending = time.perf_counter(), self.pending, None
+        try:
+            pending and pending.result()
+        except Exception as e:  # a full disk, a file-size limit, permissions
+            raise UserError(write_failure(e, self.output_dir)) from None
+        return time.perf_counter() - started
+
+    def submit(self, checkpoint: dict[str, Any], history: list[dict]) -> None:
+        """Hand over one epoch's files; the checkpoint is copied to the CPU now (training goes on changing it)."""
+        snapshot = cpu_copy(checkpoint)
+        ready = torch.cuda.Event() if torch.cuda.is_initialized() else None
+        if ready is not None:
+            ready.record()  # the copies from the GPU are queued behind the epoch's kernels
+        self.pending = self.pool.submit(self._write, snapshot, list(history), ready)
+
+    def close(self) -> None:
+        """Finish the pending files, then draw the picture of every epoch they hold (never of one that failed)."""
+        try:
+            self.wait()
+            if self.saved and self.plotted != len(self.saved):
+                plot(self.saved, self.output_dir)
+        finally:
+            self.pool.shutdown()
+
+    def _write(self, snapshot: dict[str, Any], history: list[dict], ready: Any) -> None:
+        if ready is not None:
+            ready.synchronize()
+        write_atomically(os.path.join(self.output_dir, CHECKPOINT_NAME), lambda tmp: torch.save(snapshot, tmp))
+        write_csv(history, self.output_dir)  # after the checkpoint: the CSV can always be rebuilt from it
+        self.saved = history
+        if time.monotonic() >= self.next_plot:
+            started = time.monotonic()
+            plot(history, self.output_dir)
+            self.plotted, self.next_plot = len(history), time.monotonic() + (time.monotonic() - started) / PLOT_SHARE
+
+
+def write_failure(error: Exception, output_dir: str) -> str:
+    """Why a write failed, what to do, and which checkpoint there is to continue from."""
+    where = getattr(error, "filename", None) or f"the files in {output_dir}"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]  # torch.save reports it without its cause
+    if getattr(error, "errno", None) == errno.EFBIG or (
+        not isinstance(error, OSError) and limit != resource.RLIM_INFINITY
+    ):
+        reason, fix = f"the file size limit, ulimit -f, is {limit // 1024} KB", "raise it (ulimit -f unlimited)"
+    elif isinstance(error, OSError) and error.strerror:
+        reason, fix = error.strerror, "free space or choose another --output_dir"
+    elif shutil.disk_usage(output_dir).free < 2**26:  # torch.save reports a full disk without its cause
+        reason, fix = "No space left on device", "free space or choose another --output_dir"
+    else:
+        reason, fix = f"{type(error).__name__}: {first_line(error, 100)}", "check the disk and its free space"
+    kept = checkpoint_epoch(output_dir)
+    then = f"continue with --resume True (the checkpoint of epoch {kept} is kept)" if kept else "start the run again"
+    return f"could not write {where} ({reason}); {fix}, then {then}"
+
+
+def cpu_copy(value: Any) -> Any:
+    """A copy on the CPU of every tensor in nested dicts and lists (queued, from a GPU)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", non_blocking=True, copy=True)
+    if isinstance(value, dict):
+        return {key: cpu_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cpu_copy(item) for item in value)
+    return value
+
+
+def write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """write(temporary_path), then rename it to `path` in one step."""
+    temporary = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def load_checkpoint(output_dir: str) -> dict[str, Any]:
+    """Tensors and plain Python values only, on the CPU; tensors read from the file when first used (mmap)."""
+    path = os.path.join(output_dir, CHECKPOINT_NAME)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def checkpoint_epoch(output_dir: str) -> int:
+    """The epoch of the checkpoint in output_dir; 0 if there is none that can be read."""
+    try:
+        return int(load_checkpoint(output_dir)["epoch"])
+    except Exception:
+        return 0
+
+
+def write_csv(history: list[dict], output_dir: str) -> None:
+    path = os.path.join(output_dir, CSV_NAME)
+    write_atomically(path, lambda tmp: pd.DataFrame(history).to_csv(tmp, index=False))
+
+
+def plot(history: list[dict], output_dir: str) -> None:
+    """Loss, accuracy and learning rate against epoch, as a PNG (matplotlib's Figure: no display, no global state)."""
+    from matplotlib.figure import Figure
+
+    rows = pd.DataFrame(history)
+    figure = Figure(figsize=(13, 3.8))
+    loss, acc, lr = figure.subplots(1, 3)
+    loss.plot(rows.epoch, rows.loss, "o-", label="train loss (label-smoothed)")
+    loss.plot(rows.epoch, rows.test_loss, "s-", label="test loss")
+    acc.plot(rows.epoch, 100 * rows.acc, "o-", color="tab:green", label="test")
+    acc.plot(rows.epoch, 100 * rows.train_acc, "--", color="tab:olive", label="train")
+    lr.plot(rows.epoch, rows.lr, "o-", color="tab:purple")
+    loss.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
+    acc.set(title=f"Accuracy (best test {100 * rows.acc.max():.2f}%)", xlabel="epoch", ylabel="accuracy (%)")
+    lr.set(title="Learning rate (at epoch end)", xlabel="epoch", ylabel="learning rate")
+    for ax in (loss, acc, lr):
+        ax.grid(alpha=0.3)
+    loss.legend()
+    acc.legend()
+    figure.subplots_adjust(left=0.05, right=0.99, bottom=0.14, top=0.91, wspace=0.22)
+    write_atomically(os.path.join(output_dir, PLOT_NAME), lambda tmp: figure.savefig(tmp, dpi=110, format="png"))
