@@ -76,9 +76,9 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
     )
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # ranks get a store of their own (pytorch#135712)
     os.environ[failures.LAUNCHER_PID] = str(os.getpid())  # ranks report to us, and leave if we are gone
-    elastic_logs = logging.getLogger("torch.distributed.elastic")  # the agent's log lines: ours say what happened
-    elastic_logs.addHandler(logging.NullHandler())
-    elastic_logs.propagate = False
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):  # the agent's log: our lines say what happened
+        logging.getLogger(name).addHandler(logging.NullHandler())
+        logging.getLogger(name).propagate = False
     with failures.ranks_start_with_stops_held():
         elastic_launch(config, entrypoint)(*args)
 

@@ -157,7 +157,8 @@ def outcome(error: BaseException) -> tuple[int, str]:
             f"exited with code {failure.exitcode}" if failure.exitcode > 0 else f"was killed by {failure.signal_name()}"
         )
         hint = " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if failure.exitcode == -signal.SIGKILL else ""
-        return 1, f"error: rank {rank} {how}{hint}; stopped the other ranks; {kept_files()}"
+        said = failure.message if failure.message.startswith("error: ") else f"error: rank {rank} {how}{hint}"
+        return 1, f"{said}; stopped the other ranks; {kept_files()}"
     error = _as_user_error(error)
     if isinstance(error, UserError):
         return EXIT_MISTAKE, f"error: {error}"

@@ -1,8 +1,9 @@
 """Shared helpers: runs with real processes on the CPU (gloo), tiny generated data, a few runs several tests read.
 
-Most runs are forked from the test server (tests/server.py), which has imported torch and the project once. The
-scenarios about how a run starts and ends use new interpreters, as a user's `python train_distribute.py` does;
-they start in the background as the session starts (`needs`, `scenario`).
+Most runs are forked from the test server (tests/server.py), which has imported torch and the project once; their
+ranks are started by torch's elastic agent as always, forked from the launcher. The scenarios about how a run starts
+and ends use new interpreters, as a user's `python train_distribute.py` does; they start in the background as the
+session starts (`needs`, `scenario`).
 """
 
 import json
@@ -26,11 +27,12 @@ import pytest
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the suite exercises the CPU/gloo path, also on a machine with GPUs
 
-import config  # noqa: E402  (after hiding the GPUs)
+import train_distribute  # noqa: E402  (after hiding the GPUs)
+from safeguards import settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_distribute.py"
-SETTINGS = {s.name: s for s in config.read_settings(str(SCRIPT))}  # the block: the single source of every setting
+SETTINGS = {name: kind for name, kind in train_distribute.__annotations__.items() if name.isupper()}
 
 
 def width(channels: int) -> list[str]:
@@ -44,13 +46,11 @@ HANG_TIMEOUT = 240  # seconds; a run that takes longer than this is hanging, not
 
 
 def read_config(argv: list[str]) -> SimpleNamespace:
-    return config.read_config(str(SCRIPT), argv)
+    return settings.read(train_distribute, argv)
 
 
 def model_name() -> str:
     """The class name of what make_model returns: the first word of a run's first line."""
-    import train_distribute
-
     return type(train_distribute.make_model(read_config(TINY), 10)).__name__
 
 
@@ -59,6 +59,7 @@ def clean_env(**extra: str) -> dict:
         k: v
         for k, v in os.environ.items()
         if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+        and not k.startswith(("TORCHELASTIC_", "SLURM_", "RESNET_DDP_"))
     }
     env.update(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", **extra)
     return env
@@ -323,23 +324,14 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-def rank_processes(launcher: int, count: int = 2) -> list[int]:
-    """The launcher's rank processes (its children other than multiprocessing's resource tracker)."""
-    children = [pid for pid in children_of(launcher) if _parent(pid) == launcher]
-    ranks = [pid for pid in children if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert len(ranks) == count, ranks
-    return sorted(ranks, key=_start_time)  # started in rank order; process ids wrap around on a busy machine
-
-
-def _start_time(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
+def recorded_ranks(folder: Path, count: int = 2, timeout: float = HANG_TIMEOUT) -> list[int]:
+    """The rank processes' ids in rank order, as each rank recorded its own (TEST_PIDS=folder, tests/hooked_run.py)."""
+    deadline = time.monotonic() + timeout
+    while len(list(folder.glob("rank*.pid"))) < count:
+        assert time.monotonic() < deadline, "the ranks did not start in time"
+        time.sleep(0.05)
+    time.sleep(0.05)  # each file is written whole by then
+    return [int((folder / f"rank{rank}.pid").read_text()) for rank in range(count)]
 
 
 def alive(pid: int) -> bool:

@@ -1,12 +1,11 @@
 """A process that imports torch and the project once, and forks the test suite's runs from there.
 
 Each run a test asks for is a fork of this server that runs `train_distribute.main(argv)` (or a worker
-function through `distribute_tools.run_distribute`) with its own environment, working folder, output files and
-session, exactly as a new `python train_distribute.py` would. That launcher forks its ranks in turn
-(`processes.START_METHOD = "fork"`): safe here, since neither this server nor a launcher has run a parallel torch
-operation when it forks. A run then starts in a fraction of a second, instead of seconds of imports for the
-launcher and for every rank. The reference run, `--help`, the exit-code test and torchrun keep real interpreters
-(and the ranks' spawn).
+function) with its own environment, working folder, output files and session, exactly as a new
+`python train_distribute.py` would. That launcher starts its ranks through torch's elastic agent as always, with
+`train_distribute.main` as the entrypoint, so that the agent forks them: safe here, since neither this server nor a
+launcher has run a parallel torch operation when it forks. A run then starts in a fraction of a second, instead of
+seconds of imports for the launcher and for every rank. Tests of how a run starts and ends keep real interpreters.
 
 Protocol: one JSON request per line on stdin, one JSON answer per line on stdout.
     {"start": {...}}   fork a run (train_distribute's argv, or a "call", or a "module" run as python -m does);
@@ -26,13 +25,13 @@ import traceback
 
 import matplotlib.backends.backend_agg  # noqa: F401 (what the picture's first drawing would import)
 import matplotlib.figure  # noqa: F401
-import processes
 import torch
 import torch._dynamo  # noqa: F401 (what DDP's constructor would import in every rank)
+import torch.distributed.run  # noqa: F401 (torchrun, for the runs that start it)
+import torchvision.datasets  # noqa: F401 (the image folders' listing)
 import tqdm  # noqa: F401
 
 import tests.hooked_run
-import tests.workers  # noqa: F401 (imported once here, for the runs that call its workers)
 import train_distribute
 
 
@@ -57,7 +56,6 @@ def run_child(request: dict) -> None:
         os.sched_setaffinity(0, request["cpus"])
     if request.get("file_size_limit"):  # ulimit -f
         resource.setrlimit(resource.RLIMIT_FSIZE, (request["file_size_limit"],) * 2)
-    processes.START_METHOD = "fork"
     tests.hooked_run.install_hooks()
     code = 1
     try:
@@ -74,7 +72,7 @@ def run_child(request: dict) -> None:
             code = 0
         else:
             sys.argv = ["train_distribute.py", *request["argv"]]
-            code = train_distribute.main(request["argv"])
+            code = train_distribute.main(request["argv"], entrypoint=train_distribute.main)
     except SystemExit as error:
         code = error.code if isinstance(error.code, int) else 0 if error.code is None else 1
     except BaseException:

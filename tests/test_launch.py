@@ -1,0 +1,185 @@
+"""How `python train_distribute.py` starts its ranks (torch's elastic agent) and how a run ends: the exit code, one
+line, within seconds, and no rank left behind. Runs forked from the test server, and the same ends in new
+interpreters, as a user's run is."""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from tests.conftest import (
+    HANG_TIMEOUT,
+    TINY,
+    alive,
+    children_of,
+    clean_env,
+    csv_rows,
+    launch,
+    new_interpreter,
+    recorded_ranks,
+    wait_for_rows,
+)
+
+STOP_WITHIN = 10  # seconds from the signal to the launcher's exit (a rank stuck in C++ is another matter)
+LONG = [*TINY, "--synthetic_size=4800", "--epochs=20"]  # epochs of about a second: a run to stop in the middle
+
+
+def lines(text: str) -> list[str]:
+    """Every non-empty line: "one line" counts torch's own warnings too."""
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def checkpoint_epoch(folder: Path) -> int:
+    return int(torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"])
+
+
+def ended_in_time(run, signalled_at: float) -> str:
+    out, err = run.communicate(timeout=HANG_TIMEOUT)
+    assert time.monotonic() - signalled_at < STOP_WITHIN, f"took {time.monotonic() - signalled_at:.1f} s: {err}"
+    return err
+
+
+def test_a_finished_run_in_a_new_interpreter_exits_0_and_prints_only_its_lines(tmp_path):
+    command = [sys.executable, "train_distribute.py", *TINY, "--epochs=2", f"--output_dir={tmp_path}"]
+    with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env()) as run:
+        out, err = run.communicate(timeout=HANG_TIMEOUT)
+    assert run.returncode == 0, err
+    assert lines(err) == []  # no warning of torch's, no log line of its agent
+    first, *epochs, done = lines(out)
+    assert first.startswith("ResNet(") and "2 rank(s) on cpu (gloo)" in first
+    assert [line.split()[1] for line in epochs] == ["1/2", "2/2"] and done.startswith("done: 2 epochs")
+    assert len(pd.read_csv(tmp_path / "pytorch_res.csv")) == 2 and checkpoint_epoch(tmp_path) == 2
+
+
+@pytest.mark.parametrize(
+    "argument, words",
+    [
+        ("--epochs=0", "EPOCHS=0 on the command line is out of range"),
+        ("--batch_size=47", "does not split evenly over 2 ranks"),
+        ("--optimiser=sgd", "unknown setting --optimiser; did you mean --optimizer?"),
+        ("--lr=fast", "--lr=fast is not a number"),
+        ("--world_size=-1", "WORLD_SIZE=-1 is negative"),
+        ("--resume", "RESUME=True but there is no"),
+        ("--dataset=imagefolder", "DATA_DIR /nowhere does not exist"),
+    ],
+)
+def test_a_mistake_is_one_line_naming_it_and_exits_2_before_anything_starts(tmp_path, argument, words):
+    run = launch(*TINY, "--data_dir=/nowhere", f"--output_dir={tmp_path / 'out'}", argument)
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 2 and lines(out) == [], out
+    assert len(lines(err)) == 1 and err.startswith("error: ") and words in err, err
+    assert not (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+def test_a_mistake_in_a_new_interpreter_is_one_line_too(tmp_path):
+    command = [sys.executable, "train_distribute.py", "--epochs=0", f"--output_dir={tmp_path}"]
+    with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env()) as run:
+        out, err = run.communicate(timeout=HANG_TIMEOUT)
+    assert run.returncode == 2 and lines(out) == [] and len(lines(err)) == 1, err
+
+
+def test_a_mistake_the_ranks_find_is_one_line_from_the_launcher(tmp_path):
+    """A mistake found only once the ranks train (a network with a parameter that no step uses): every rank raises
+    it, each writes it for the agent, and the launcher prints it once."""
+    run = launch(*TINY, f"--output_dir={tmp_path}", env=clean_env(TEST_UNUSED_LAYER="1"))
+    out, err = run.communicate(timeout=HANG_TIMEOUT)
+    assert run.returncode == 2 and len(lines(err)) == 1, err
+    assert err.startswith("error: the network has parameters that no training step uses (")
+    assert "find_unused_parameters=True" in err
+
+
+def test_sigterm_to_the_launcher_exits_75_with_the_epochs_files_whole(tmp_path):
+    run = launch(*LONG, f"--output_dir={tmp_path}")
+    wait_for_rows(tmp_path, 1, run)
+    os.kill(run.pid, signal.SIGTERM)
+    err = ended_in_time(run, time.monotonic())
+    assert run.returncode == 75, err
+    kept = checkpoint_epoch(tmp_path)
+    assert lines(err) == [
+        f"stopped by SIGTERM: the files in {tmp_path} are from epoch {kept}: continue with --resume True"
+    ]
+    assert kept >= 1 and csv_rows(tmp_path) == kept  # the checkpoint and the CSV agree: both whole
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_ctrl_c_mid_epoch_exits_130_in_one_line(tmp_path):
+    run = launch(*LONG, f"--output_dir={tmp_path}")
+    wait_for_rows(tmp_path, 1, run)
+    time.sleep(0.3)  # in the middle of epoch 2
+    os.kill(run.pid, signal.SIGINT)
+    err = ended_in_time(run, time.monotonic())
+    assert run.returncode == 130 and len(lines(err)) == 1 and err.startswith("interrupted: the files in"), err
+    assert csv_rows(tmp_path) == checkpoint_epoch(tmp_path)
+
+
+@pytest.mark.parametrize("when", [0.0, 0.5, 1.5])
+def test_ctrl_c_while_the_ranks_start_in_new_interpreters_is_one_line(tmp_path, when):
+    """The ranks are new interpreters importing torch: the stop waits for them to handle it (held back as they
+    start), then the run ends in one line instead of a traceback per rank."""
+    command = [sys.executable, "train_distribute.py", *TINY, f"--output_dir={tmp_path}"]
+    with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env()) as run:
+        deadline = time.monotonic() + HANG_TIMEOUT
+        while len(children_of(run.pid)) < 2:  # the agent has started the ranks
+            assert time.monotonic() < deadline and run.poll() is None
+            time.sleep(0.01)
+        time.sleep(when)
+        os.kill(run.pid, signal.SIGINT)
+        signalled = time.monotonic()
+        out, err = run.communicate(timeout=HANG_TIMEOUT)
+    assert time.monotonic() - signalled < STOP_WITHIN
+    assert run.returncode == 130 and lines(err) == [
+        "interrupted: it stopped before any epoch finished; nothing to resume: start the run again"
+    ], err
+
+
+def test_a_killed_rank_exits_1_names_it_and_stops_the_others(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    run = launch(*LONG, f"--output_dir={tmp_path / 'out'}", env=clean_env(TEST_PIDS=str(pids)))
+    rank_0, rank_1 = recorded_ranks(pids)
+    wait_for_rows(tmp_path / "out", 1, run)
+    os.kill(rank_1, signal.SIGKILL)
+    err = ended_in_time(run, time.monotonic())
+    assert run.returncode == 1 and len(lines(err)) == 1, err
+    kept = checkpoint_epoch(tmp_path / "out")
+    assert err.startswith("error: rank 1 was killed by SIGKILL") and f"are from epoch {kept}: continue" in err
+    assert not alive(rank_0)
+
+
+def test_a_rank_that_raises_prints_its_traceback_and_the_launcher_names_it(tmp_path):
+    run = launch(*TINY, f"--output_dir={tmp_path}", env=clean_env(TEST_RANK_1_BUG="1"))
+    out, err = run.communicate(timeout=HANG_TIMEOUT)
+    assert run.returncode == 1
+    assert "[rank 1] RuntimeError: a bug on rank 1" in err and "Traceback" in err
+    assert lines(err)[-1].startswith(
+        "error: rank 1 failed with RuntimeError: a bug on rank 1, raised on purpose by the test; stopped the other ranks"
+    )
+
+
+@pytest.mark.parametrize("interpreter", ["forked", "new"])
+def test_kill_9_of_the_launcher_leaves_no_rank_behind(tmp_path, interpreter):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    if interpreter == "forked":
+        run = launch(*LONG, f"--output_dir={tmp_path / 'out'}", env=clean_env(TEST_PIDS=str(pids)))
+        ranks = recorded_ranks(pids)
+        wait_for_rows(tmp_path / "out", 1, run)
+        run.kill()
+        run.wait(60)
+    else:
+        command = [sys.executable, "train_distribute.py", *LONG, f"--output_dir={tmp_path / 'out'}"]
+        with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env()) as run:
+            wait_for_rows(tmp_path / "out", 1, run)
+            ranks = children_of(run.pid)  # each in a session of its own: found by process id, never by group
+            assert len(ranks) >= 2
+            os.kill(run.pid, signal.SIGKILL)
+            run.wait(60)
+    deadline = time.monotonic() + STOP_WITHIN
+    while any(alive(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "a rank outlived its launcher"
+        time.sleep(0.05)
