@@ -61,8 +61,8 @@ def prepare(cfg: SimpleNamespace) -> None:
         os.makedirs(cfg.DATA_DIR, exist_ok=True)
     except OSError as e:
         raise UserError(
-            f"DATA_DIR {cfg.DATA_DIR} cannot be created ({e.strerror}); point --data_dir at a writable folder"
-        )
+            f"DATA_DIR {cfg.DATA_DIR} cannot be created ({e.strerror}); point --data_dir elsewhere"
+        ) from None
     writable = os.access(cfg.DATA_DIR, os.W_OK)  # a read-only copy is only read: no lock needed, none possible
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(60)  # torchvision's download sets no timeout of its own
@@ -97,62 +97,59 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
     """This rank's (train, test) loaders and what the checkpoint records of the data. Every rank must hold the same
     data (a machine with another copy of DATA_DIR would train on other data or hang): their identities meet once."""
     streams = cfg.LOADER == "stream" or (cfg.LOADER == "auto" and cfg.DATASET == "imagefolder")
-    workers = (
-        cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else max(1, len(os.sched_getaffinity(0)) // info.local_world_size - 1)
-    )
-    options = {"device": info.device, "memory_format": memory_format}
+    cores = len(os.sched_getaffinity(0)) // info.local_world_size
+    workers = cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else max(1, cores - 1)
     if cfg.DATASET == "imagefolder":
         (classes, train), (_, test) = list_folder(cfg.DATA_DIR, "train"), list_folder(cfg.DATA_DIR, "test")
-        files = [ImageFiles(samples, cfg.IMAGE_SIZE, cfg.DATA_DIR) for samples in (train, test)]
-        sample = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:STATISTICS_SAMPLE]
-        mean, std = channel_statistics(decode_all(files[0], workers, sample.sort().values.tolist())[0])
-        identity = f"files {folder_digest(cfg.DATA_DIR, train + test)}"
-        if streams:
-            loaders = [
-                StreamLoader(f, workers, augment, mean, std, **options)
-                for f, augment in zip(files, (cfg.AUGMENT, False))
-            ]
-        else:
-            decoded = [decode_all(f, workers, range(len(f))) for f in files]
-            loaders = [
-                MemoryLoader(*d, augment, mean, std, **options) for d, augment in zip(decoded, (cfg.AUGMENT, False))
-            ]
+        splits: list[Any] = [ImageFiles(samples, cfg.IMAGE_SIZE) for samples in (train, test)]
+        sample = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:STATISTICS_SAMPLE].sort()
+        mean, std = channel_statistics(decode_all(splits[0], workers, sample.values.tolist())[0])
+        source = f"files {folder_digest(cfg.DATA_DIR, train + test)}"
+        splits = splits if streams else [decode_all(files, workers, range(len(files))) for files in splits]
     else:
-        (train_pixels, train_labels), test, classes = read_in_memory(cfg)
-        mean, std = channel_statistics(train_pixels) if cfg.DATASET == "synthetic" else (CIFAR_MEAN, CIFAR_STD)
-        loaders = [
-            MemoryLoader(train_pixels, train_labels, cfg.AUGMENT, mean, std, **options),
-            MemoryLoader(*test, False, mean, std, **options),
-        ]
-        identity = "generated" if cfg.DATASET == "synthetic" else "CIFAR-10"
-    train_loader, test_loader = loaders
-    size = cfg.IMAGE_SIZE
-    identity = f"{len(train_loader):,} train and {len(test_loader):,} test images of {size}x{size}, {len(classes)} classes, {identity}"
+        *splits, classes = read_in_memory(cfg)
+        mean, std = channel_statistics(splits[0][0]) if cfg.DATASET == "synthetic" else (CIFAR_MEAN, CIFAR_STD)
+        source = "generated" if cfg.DATASET == "synthetic" else "CIFAR-10"
+    options = {"mean": mean, "std": std, "device": info.device, "memory_format": memory_format}
+    if streams:
+        train_loader, test_loader = (
+            StreamLoader(files, workers, a, **options) for files, a in [(splits[0], cfg.AUGMENT), (splits[1], False)]
+        )
+    else:
+        train_loader, test_loader = (
+            MemoryLoader(*split, a, **options) for split, a in [(splits[0], cfg.AUGMENT), (splits[1], False)]
+        )
+    size = f"{cfg.IMAGE_SIZE}x{cfg.IMAGE_SIZE}"
+    identity = (
+        f"{len(train_loader):,} train and {len(test_loader):,} test images of {size}, {len(classes)} classes, {source}"
+    )
     everyone: list[Any] = [None] * info.world_size
     dist.all_gather_object(everyone, identity)  # DDP: every rank's data, compared once
-    others = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
+    others = [str(rank) for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
     if others:
         raise UserError(
-            f"rank(s) {', '.join(map(str, others))} loaded other data than rank 0 ({everyone[others[0]]}, against "
+            f"rank(s) {', '.join(others)} loaded other data than rank 0 ({everyone[int(others[0])]}, against "
             f"{everyone[0]}); give every machine the same copy of DATA_DIR"
         )
     how = f"stream, {workers} worker(s) per rank" if streams else "memory"
-    record = {"identity": identity, "classes": classes, "mean": mean, "std": std, "image_size": size, "loader": how}
-    return train_loader, test_loader, record
+    record = {"identity": identity, "classes": classes, "mean": mean, "std": std, "image_size": cfg.IMAGE_SIZE}
+    return train_loader, test_loader, {**record, "loader": how}
 
 
 def read_in_memory(cfg: SimpleNamespace) -> tuple[tuple, tuple, list[str]]:
-    """CIFAR-10 or generated images: ((train images, labels), (test images, labels), class names); images uint8 NHWC."""
+    """CIFAR-10 or generated images: (train images, labels), (test images, labels), the class names; uint8 NHWC."""
     if cfg.DATASET == "synthetic":
-        test_size = max(cfg.SYNTHETIC_SIZE // 5, 1)
-        splits = [
+        train, test = (
             make_synthetic(n, cfg.SEED, split, cfg.IMAGE_SIZE)
-            for split, n in enumerate((cfg.SYNTHETIC_SIZE, test_size))
-        ]
-        return splits[0], splits[1], [f"class_{c}" for c in range(SYNTHETIC_CLASSES)]
-    splits = [_cifar10(cfg.DATA_DIR, train) for train in (True, False)]
-    tensors = [(torch.from_numpy(s.data), torch.tensor(s.targets)) for s in splits]
-    return tensors[0], tensors[1], splits[0].classes
+            for split, n in enumerate((cfg.SYNTHETIC_SIZE, max(cfg.SYNTHETIC_SIZE // 5, 1)))
+        )
+        return train, test, [f"class_{c}" for c in range(SYNTHETIC_CLASSES)]
+    train, test = (_cifar10(cfg.DATA_DIR, split) for split in (True, False))
+    return (
+        (torch.from_numpy(train.data), torch.tensor(train.targets)),
+        (torch.from_numpy(test.data), torch.tensor(test.targets)),
+        train.classes,
+    )
 
 
 def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,9 +218,9 @@ class ImageFiles(Dataset):
     with its index, so that the ranks stop together (all_ranks_stop_if_unreadable) instead of one worker's traceback
     stopping one rank. Paths are one numpy array, which forked workers share (a list's reference counts copy it)."""
 
-    def __init__(self, samples: list[tuple[str, int]], size: int, data_dir: str) -> None:
+    def __init__(self, samples: list[tuple[str, int]], size: int) -> None:
         self.paths = np.array([os.fsencode(path) for path, _ in samples])
-        self.labels, self.size, self.data_dir = torch.tensor([label for _, label in samples]), size, data_dir
+        self.labels, self.size = torch.tensor([label for _, label in samples]), size
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -270,14 +267,12 @@ def decode_all(files: ImageFiles, workers: int, indices: Any) -> tuple[torch.Ten
 
 
 def channel_statistics(pixels: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and standard deviation of uint8 NHWC images, in 0..1 units (exact integer sums, in chunks)."""
-    sums = torch.zeros(3, 3, dtype=torch.float64)
-    for chunk in pixels.split(1024):
-        x = chunk.reshape(-1, 3).double()
-        sums += torch.stack([torch.full((3,), float(len(x))), x.sum(0), (x * x).sum(0)])
-    count, total, squares = sums / torch.tensor([1.0, 255, 255**2]).view(3, 1)
-    mean = total / count
-    return tuple(mean.tolist()), tuple((squares / count - mean**2).clamp(min=1e-12).sqrt().tolist())
+    """Per-channel mean and standard deviation of uint8 NHWC images, in 0..1 units (summed in chunks, in float64)."""
+    chunks = [chunk.reshape(-1, 3).double() / 255 for chunk in pixels.split(1024)]
+    count = sum(len(x) for x in chunks)
+    mean = sum(x.sum(0) for x in chunks) / count
+    variance = sum((x * x).sum(0) for x in chunks) / count - mean**2
+    return tuple(mean.tolist()), tuple(variance.clamp(min=1e-12).sqrt().tolist())
 
 
 # ----------------------------------------------------------------------------- the loaders

@@ -1,16 +1,11 @@
 """Who each process is, and the seed's helpers for DDP: the one place that decides rank, device and backend.
 
-    run_distribute(entrypoint, world_size, *args)   start world_size ranks on this machine, the way torchrun does
-    setup(timeout_s) -> DistInfo                    in a rank: join the process group (device, backend, threads)
-    cleanup()                                       in a rank: every rank meets, then leaves the group
-    all_ranks_try(action)                           a UserError on any rank stops every rank alike
-
-A rank is a process that torchrun, or run_distribute through torch's own elastic agent (torchrun's engine), started
-with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment.
+run_distribute(entrypoint, world_size, *args)   start world_size ranks on this machine, the way torchrun does
+setup(timeout_s) -> DistInfo                    in a rank: join the process group (device, backend, threads)
+cleanup()                                       in a rank: every rank meets, then leaves the group
 """
 
 import datetime
-import functools
 import gc
 import inspect
 import logging
@@ -18,7 +13,7 @@ import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +23,6 @@ from torch.nn.parallel import DistributedDataParallel
 from safeguards import failures
 from safeguards.failures import UserError
 
-T = TypeVar("T")
 # DDP options that leave BatchNorm statistics as each rank computes them: evaluation gives every rank rank 0's, once
 # per epoch, instead of a broadcast before every training step (torch 2.14 renamed the option).
 _RENAMED = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
@@ -58,22 +52,16 @@ def under_torchrun() -> bool:
 
 
 def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args: Any) -> None:
-    """Run `entrypoint` (a program such as sys.executable, or a function) with `args` in `world_size` rank processes
-    on this machine, through torch's elastic agent with a standalone rendezvous on a free port: each rank gets what
-    torchrun gives it. Returns when every rank finished; raises ChildFailedError when one fails (the agent then stops
-    the others) and SignalException when this process is stopped (the agent passes the signal on to the ranks)."""
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # a free port
-        local_addr="127.0.0.1",  # else the agent hands the ranks this machine's full hostname, which may not resolve
-        max_restarts=0,
-        monitor_interval=0.1,  # seconds between the agent's looks at the ranks: a failure stops the others at once
-        start_method="fork",  # a function entrypoint only: forked from this process, which imported torch already
+    """Run `entrypoint` (a program such as sys.executable, or a function) with `args` in `world_size` rank processes on
+    this machine through torch's elastic agent, torchrun's engine. Raises ChildFailedError when a rank fails (the agent
+    stops the others) and SignalException when this process is stopped (the agent passes the signal on to the ranks)."""
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex, max_restarts=0)
+    config.rdzv_backend, config.rdzv_endpoint = "c10d", "localhost:0"  # a standalone rendezvous on a free port
+    config.local_addr = (
+        "127.0.0.1"  # else the agent hands the ranks this machine's full hostname, which may not resolve
     )
+    config.monitor_interval = 0.1  # seconds between the agent's looks at the ranks: a failure stops the others at once
+    config.start_method = "fork"  # a function entrypoint only: forked from this process, which imported torch already
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # ranks get a store of their own (pytorch#135712)
     os.environ[failures.LAUNCHER_PID] = str(os.getpid())  # ranks report to us, and leave if we are gone
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):  # the agent's log: our lines say what happened
@@ -85,15 +73,8 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
 
 def world_size(requested: int, gpus: int) -> int:
     """The number of ranks: torchrun's when it started this process; else `requested`, 0 meaning every GPU (2
-    processes on a machine without one). Refuses a count that cannot work, before anything starts."""
-    if under_torchrun():
-        choose_device(int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpus)
-        return int(os.environ["WORLD_SIZE"])
-    if requested < 0:
-        raise UserError(f"WORLD_SIZE={requested} is negative; use 0 (every GPU, or 2 CPU processes) or a count")
-    if gpus and requested > gpus:
-        raise UserError(f"WORLD_SIZE={requested} but this machine has {gpus} GPU(s); use 0 or at most {gpus}")
-    return requested or gpus or 2
+    processes on a machine without one)."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else requested or gpus or 2
 
 
 def choose_device(local_rank: int, local_world_size: int, gpus: int) -> tuple[torch.device, str]:
@@ -135,39 +116,8 @@ def cleanup() -> None:
     """Leave the process group, every rank together: one that tears the group down while another still uses it (rank 0
     finishing its files, say) can abort the run. (After a failure a rank ends without it: safeguards.failures.)"""
     gc.collect()  # the DDP model and its reducer hold the group: freed first, the group's threads end with it
-    all_ranks_try(None)  # DDP: every rank meets
+    dist.barrier()  # DDP: every rank meets
     dist.destroy_process_group()
-
-
-def all_ranks_try(action: Callable[[], T] | None) -> T | None:
-    """DDP: every rank calls it. The ranks given an `action` run it (rank 0 alone, say); a UserError on any of them is
-    raised on every rank, so that all stop together. Returns this rank's result."""
-    result, error = None, None
-    try:
-        result = action() if action else None
-    except UserError as e:
-        error = str(e)
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)  # every rank's error or None, read on the host: a barrier on NCCL too
-    first = next((e for e in errors if e), None)
-    if first:
-        raise UserError(first)
-    return result
-
-
-def route_around_cpu_crashes(model: torch.nn.Module, device: torch.device) -> None:
-    """On AVX-512 CPUs oneDNN's channels_last weight gradient of a strided 1x1 convolution with at most 8 input
-    channels corrupts the heap (docs/cpu-kinds.md). On CPUs such a convolution takes every stride-th pixel first and
-    then runs with stride 1: the same function through another kernel."""
-    for conv in model.modules() if device.type == "cpu" else ():
-        if isinstance(conv, torch.nn.Conv2d) and conv.kernel_size == (1, 1) and conv.padding in ((0, 0), "valid"):
-            if conv.stride != (1, 1) and conv.in_channels <= 8:
-                conv.register_forward_pre_hook(functools.partial(_subsample, stride=conv.stride))
-                conv.stride = (1, 1)
-
-
-def _subsample(conv: torch.nn.Module, inputs: tuple[torch.Tensor], stride: tuple[int, int]) -> tuple[torch.Tensor]:
-    return (inputs[0][..., :: stride[0], :: stride[1]],)
 
 
 def bf16_is_fast(device: torch.device) -> bool:
@@ -179,9 +129,3 @@ def bf16_is_fast(device: torch.device) -> bool:
             return any(flag in f.read() for flag in ("avx512_bf16", "amx_bf16"))
     except OSError:  # not Linux
         return False
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (GPUs run asynchronously; CPUs have nothing queued)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -1,4 +1,5 @@
-"""Muon for the convolution filters, Nesterov SGD for everything else, in one optimizer.
+"""The optimizers: Muon for the convolution filters, Nesterov SGD for everything else, in one optimizer (the default),
+or plain Nesterov SGD, or Adam (the seed's).
 
 Muon (momentum, then orthogonalisation) takes each filter bank's momentum as a matrix (out_channels x the rest)
 and replaces it by the nearest matrix whose singular values are all about 1, with a few Newton-Schulz iterations:
@@ -7,6 +8,8 @@ Own implementation (torch.optim.Muon, torch 2.9 and newer, takes only 2-D parame
 The orthogonalisation costs about as much as a small forward pass; in a process group each rank does a share of
 the filter banks and the ranks exchange the results, so the work is split rather than repeated on every rank.
 """
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,3 +100,16 @@ def orthogonalise_shared(updates: list[torch.Tensor], dtype: torch.dtype) -> lis
         for i, piece in zip(banks, flat.split(sizes), strict=True):
             results[i] = piece.view(len(updates[i]), -1)
     return results
+
+
+def make_optimizer(
+    cfg: Any, model: torch.nn.Module, lr: float, device: torch.device, bf16: bool
+) -> torch.optim.Optimizer:
+    """One fused kernel per step on GPUs, foreach (a few batched kernels) elsewhere; Muon: below."""
+    if cfg.OPTIMIZER == "muon":
+        return MuonSGD(model.parameters(), lr, cfg.MOMENTUM, cfg.WEIGHT_DECAY, cfg.MUON_SCALE, bf16)
+    options: dict[str, Any] = {"lr": lr, "weight_decay": cfg.WEIGHT_DECAY}
+    options["fused" if device.type == "cuda" else "foreach"] = True
+    if cfg.OPTIMIZER == "adam":
+        return torch.optim.Adam(model.parameters(), **options)
+    return torch.optim.SGD(model.parameters(), momentum=cfg.MOMENTUM, nesterov=True, **options)

@@ -31,7 +31,7 @@ import distribute_tools
 import muon
 from distribute_tools import DistInfo
 from resnet import ResNet
-from safeguards import checks, failures, files, settings, start
+from safeguards import checks, failures, files, start
 from safeguards.failures import UserError
 
 # ----------------------------------------------------------------------------- settings
@@ -101,10 +101,7 @@ def main_worker(cfg: SimpleNamespace) -> None:
     data.prepare(cfg)  # CIFAR-10 downloaded once per machine (a file lock); under the launcher, there already
     info = distribute_tools.setup(cfg.COLLECTIVE_TIMEOUT)  # DDP: join the group
     kind, checkpoint = start.all_ranks_begin(cfg, info)  # DDP: new, resumed or finished, decided alike on every rank
-    if kind == "finished":
-        if info.is_main:
-            print(f"already finished: all {cfg.EPOCHS} epochs are in {cfg.OUTPUT_DIR}; nothing to do", flush=True)
-    else:
+    if kind != "finished":
         train(build_run(cfg, info), checkpoint)
     distribute_tools.cleanup()  # DDP: every rank meets, then leaves
 
@@ -115,7 +112,7 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
     torch.backends.cudnn.benchmark = info.device.type == "cuda"  # fixed shapes: pick the fastest convolution once
     torch.manual_seed(cfg.SEED)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = make_model(cfg, len(record["classes"]))
-    distribute_tools.route_around_cpu_crashes(model, info.device)  # a oneDNN bug on AVX-512 CPUs: docs/cpu-kinds.md
+    checks.route_around_cpu_crashes(model, info.device)  # a oneDNN bug on AVX-512 CPUs: docs/cpu-kinds.md
     if cfg.SYNC_BN:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(info.device, memory_format=torch.channels_last)  # what tensor cores want; faster on CPUs too
@@ -130,19 +127,8 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
     if cfg.COMPILE:
         ddp_model = torch.compile(ddp_model)  # after wrapping, so that DDP's bucketed all-reduce keeps overlapping
     bf16 = cfg.AMP and distribute_tools.bf16_is_fast(info.device)
-    optimizer = make_optimizer(cfg, model, info.device, bf16)
+    optimizer = muon.make_optimizer(cfg, model, peak_lr(cfg), info.device, bf16)  # muon.py: the optimizers
     return Run(cfg, info, model, ddp_model, optimizer, train_data, test_data, record, bf16)
-
-
-def make_optimizer(cfg: SimpleNamespace, model: nn.Module, device: torch.device, bf16: bool) -> torch.optim.Optimizer:
-    """One fused kernel per step on GPUs, foreach (a few batched kernels) elsewhere; muon: muon.py."""
-    if cfg.OPTIMIZER == "muon":
-        return muon.MuonSGD(model.parameters(), peak_lr(cfg), cfg.MOMENTUM, cfg.WEIGHT_DECAY, cfg.MUON_SCALE, bf16)
-    options: dict[str, Any] = {"lr": peak_lr(cfg), "weight_decay": cfg.WEIGHT_DECAY}
-    options["fused" if device.type == "cuda" else "foreach"] = True
-    if cfg.OPTIMIZER == "adam":
-        return torch.optim.Adam(model.parameters(), **options)
-    return torch.optim.SGD(model.parameters(), momentum=cfg.MOMENTUM, nesterov=True, **options)
 
 
 # ----------------------------------------------------------------------------- the epoch loop
@@ -151,12 +137,11 @@ def make_optimizer(cfg: SimpleNamespace, model: nn.Module, device: torch.device,
 def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     """The epochs: train, evaluate, report; rank 0 hands each epoch's files to a background writer."""
     cfg, info, started = run.cfg, run.info, time.perf_counter()
-    history = []
-    if checkpoint:  # the checkpoint's weights, optimizer state and rows, once its data and network are checked
-        history = start.restore(checkpoint, run.model, run.optimizer, run.data["identity"], cfg.OUTPUT_DIR)
+    # a resumed run: the checkpoint's weights, optimizer state and rows, once its data and network are checked
+    history = start.restore(checkpoint, run.model, run.optimizer, run.data["identity"], cfg.OUTPUT_DIR)
     writer = files.ResultWriter(cfg.OUTPUT_DIR) if info.is_main else None  # DDP: rank 0 alone writes files
     if writer:
-        print(describe(run), flush=True)
+        print(files.describe(run.model, cfg, info, run.data, run.train_data.steps_per_epoch(cfg.BATCH_SIZE), run.bf16))
     earlier_seconds = history[-1]["elapsed_seconds"] if history else 0.0  # a resumed run's clock goes on
     try:
         for epoch in range(len(history) + 1, cfg.EPOCHS + 1):
@@ -164,8 +149,10 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
             (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
             test_loss, acc = evaluate(run)
             epoch_seconds = time.perf_counter() - epoch_started
+            peak = torch.tensor([files.peak_memory_mb(info.device)], device=info.device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # DDP: the largest rank's peak memory
             # DDP: every rank; rank 0 waits for the previous epoch's files (a failed write stops every rank)
-            waited = distribute_tools.all_ranks_try(writer.wait if writer else None) or 0.0
+            waited = failures.all_ranks_try(writer.wait if writer else None) or 0.0
             row = {  # one CSV column per key, in this order
                 "epoch": epoch,
                 "loss": loss_sum / images,  # mean training loss over every image of the epoch on all ranks
@@ -176,42 +163,25 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
                 "epoch_seconds": epoch_seconds,  # this epoch's training steps and evaluation
                 "elapsed_seconds": earlier_seconds + time.perf_counter() - started,
                 "images_per_second": images / train_seconds,  # all ranks' training images per second of steps
-                "peak_memory_mb": all_ranks_peak_memory_mb(info.device),  # DDP: the largest rank's
+                "peak_memory_mb": peak.item(),  # the largest rank's
                 "write_wait_seconds": waited,  # how long training waited for the previous epoch's files
             }
             history.append(row)
             if writer:
                 writer.submit(checkpoint_of(run, history), history)
-                print(f"epoch {epoch}/{cfg.EPOCHS}  loss {row['loss']:.4f}  acc {acc:.4f}  test_loss {test_loss:.4f}  "
-                      f"lr {lr:.4g}  {epoch_seconds:.1f} s  {row['images_per_second']:,.0f} img/s", flush=True)  # fmt: skip
+                print(files.epoch_line(row, cfg.EPOCHS), flush=True)
     finally:
         if writer:
             writer.close()  # every completed epoch's files are on disk before this rank leaves
     failures.ignore_stop_signals()  # the run is complete: a stop signal now changes nothing
     if writer:
-        best = max(history, key=lambda row: row["acc"])
-        print(f"done: {len(history)} epochs; best acc {best['acc']:.4f} (epoch {best['epoch']}), final acc "
-              f"{history[-1]['acc']:.4f}; results in {cfg.OUTPUT_DIR}", flush=True)  # fmt: skip
+        print(files.summary_line(history, cfg.OUTPUT_DIR), flush=True)
 
 
 def checkpoint_of(run: Run, history: list[dict]) -> dict[str, Any]:
     """What checkpoint.pt holds: weights (no DDP prefixes), optimizer, the rows so far, what resume checks."""
     state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "history": history}
     return {**state, "epoch": len(history), "config": vars(run.cfg), "data": run.data, "run_ids": start.run_ids()}
-
-
-def describe(run: Run) -> str:
-    """Rank 0's first line: what the run is."""
-    cfg, info = run.cfg, run.info
-    parameters = sum(p.numel() for p in run.model.parameters())
-    width = f"width={cfg.WIDTH}, " if "WIDTH" in cfg.__dict__ and isinstance(run.model, ResNet) else ""
-    return (
-        f"{type(run.model).__name__}({width}{parameters:,} parameters) on {cfg.DATASET} ({len(run.train_data):,} "
-        f"train, {len(run.test_data):,} test images) | loader {run.data['loader']} | {info.world_size} rank(s) on "
-        f"{info.device.type} ({info.backend}) | global batch {cfg.BATCH_SIZE}, "
-        f"{run.train_data.steps_per_epoch(cfg.BATCH_SIZE)} steps per epoch, {cfg.EPOCHS} epochs | {cfg.OPTIMIZER} "
-        f"peak lr {peak_lr(cfg):.4g} | {'bf16 autocast' if run.bf16 else 'fp32'}"
-    )
 
 
 # ----------------------------------------------------------------------------- training
@@ -236,20 +206,18 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
     """One epoch of training steps. Returns the all-ranks sums [loss x images, correct, images], this rank's seconds
     of training steps and the last step's learning rate."""
     cfg, info = run.cfg, run.info
-    steps, loss_fn = (
-        run.train_data.steps_per_epoch(cfg.BATCH_SIZE),
-        nn.CrossEntropyLoss(label_smoothing=cfg.LABEL_SMOOTHING),
-    )
+    steps = run.train_data.steps_per_epoch(cfg.BATCH_SIZE)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.LABEL_SMOOTHING)
     sums = torch.zeros(3, device=info.device)  # on the device: no host sync per step
     run.ddp_model.train()
-    distribute_tools.synchronize(info.device)
+    torch.cuda.synchronize() if info.device.type == "cuda" else None  # the clock starts with nothing queued
     started, lr = time.perf_counter(), 0.0
     # DDP: this rank's shard of the epoch (every rank draws the same order and takes its own part)
     batches = run.train_data.train_batches(cfg.BATCH_SIZE, info.world_size, info.rank, cfg.SEED, epoch)
-    for step, (x, y) in enumerate(progress(batches, steps, f"epoch {epoch}/{cfg.EPOCHS}", info.is_main)):
+    for step, (x, y) in enumerate(files.progress(batches, steps, f"epoch {epoch}/{cfg.EPOCHS}", info.is_main)):
         lr = lr_at((epoch - 1) * steps + step, cfg.EPOCHS * steps, peak_lr(cfg), cfg.SCHEDULE, cfg.WARMUP)
         train_step(run, x, y, lr, loss_fn, sums)
-    distribute_tools.synchronize(info.device)
+    torch.cuda.synchronize() if info.device.type == "cuda" else None  # and stops when the steps are done
     seconds = time.perf_counter() - started
     dist.all_reduce(sums)  # DDP: the epoch's sums over all ranks, once
     loss_sum, correct, images = sums.tolist()
@@ -277,29 +245,6 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: C
         sums[1] += (logits.argmax(dim=1) == ys).sum()
         sums[2] += len(ys)
     run.optimizer.step()  # DDP: Muon's step broadcasts each rank's share of the filters' updates
-
-
-def progress(batches: Any, steps: int, title: str, is_main: bool) -> Any:
-    """Rank 0's progress bar on a terminal (steps only: no host sync); plain batches elsewhere."""
-    if not (is_main and sys.stdout.isatty()):
-        return batches
-    from tqdm import tqdm
-
-    return tqdm(batches, total=steps, desc=title, unit="step", leave=False, file=sys.stdout)
-
-
-def all_ranks_peak_memory_mb(device: torch.device) -> float:
-    """DDP: every rank. The largest rank's peak memory: GPU memory allocated, or resident memory on CPU."""
-    import resource
-
-    mine = (
-        torch.cuda.max_memory_allocated(device)
-        if device.type == "cuda"
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    )
-    peak = torch.tensor([mine / 2**20], device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return round(peak.item(), 1)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -334,24 +279,14 @@ def main(argv: list[str], entrypoint: Callable | str = sys.executable) -> int:
     """`python train_distribute.py`: check the settings, get the data once, start the ranks; the run's exit code. A
     rank (started by torchrun, or by this launcher through torch's elastic agent) runs main_worker."""
     if distribute_tools.under_torchrun():
-        return failures.run_rank(lambda: main_worker(read_and_check(argv)[0]))
+        return failures.run_rank(lambda: main_worker(checks.read_and_check(sys.modules[__name__], argv)[0]))
     return failures.run_launcher(lambda: launch(argv, entrypoint))
-
-
-def read_and_check(argv: list[str]) -> tuple[SimpleNamespace, int]:
-    """The settings and the world size, and every check that needs no rank: one line each, before anything starts."""
-    cfg = settings.read(sys.modules[__name__], argv)
-    gpus = checks.gpus_usable()
-    world_size = distribute_tools.world_size(cfg.WORLD_SIZE, gpus)
-    checks.before_start(cfg, world_size, gpus, lambda classes: make_model(cfg, classes), data.sizes(cfg))
-    return cfg, world_size
 
 
 def launch(argv: list[str], entrypoint: Callable | str) -> None:
     """The launcher: the checks, the start rule on this machine's OUTPUT_DIR, the data made ready once, the ranks."""
-    cfg, world_size = read_and_check(argv)
+    cfg, world_size = checks.read_and_check(sys.modules[__name__], argv)
     if start.decide_here(cfg) == "finished":  # a resume of a complete run has nothing to do
-        print(f"already finished: all {cfg.EPOCHS} epochs are in {cfg.OUTPUT_DIR}; nothing to do", flush=True)
         return
     data.prepare(cfg)  # download CIFAR-10 once, for every rank
     args = ("-u", __file__, *argv) if isinstance(entrypoint, str) else (argv,)  # a program, or a function of argv

@@ -1,13 +1,16 @@
 """Training throughput: the seed's pipeline against this project's, in one run on one machine.
 
-    python benchmarks/throughput.py                                  # CPU: 2 gloo ranks, width 64, batch 256
-    python benchmarks/throughput.py --world_size=1 --batch_size=512 --steps=50 --warmup=10   # one GPU
+    python -m benchmarks.throughput                                  # CPU: 2 gloo ranks, width 64, batch 256
+    python -m benchmarks.throughput --world_size=1 --batch_size=512 --steps=50 --warmup=10   # one GPU
 
 (a) seed:      the seed's pipeline re-implemented: DataLoader + DistributedSampler, per-image PIL -> ToTensor
                -> Normalize, fp32, Adam, DDP, no loader workers (as the seed runs it).
 (a') seed at its best: the same with loader workers, pinned memory and non-blocking copies: a fair baseline.
-(b) project:   train_distribute.py itself on synthetic data, 2 epochs of --steps steps each; its figure is
-               the images_per_second that the CSV reports for epoch 2 (epoch 1 is the warm-up).
+(b) project:   `python train_distribute.py --dataset=synthetic ...` as a user runs it, 2 epochs of --steps steps
+               each; its figure is the images_per_second that the CSV reports for epoch 2 (epoch 1 is the warm-up).
+               Also: launch to first epoch end, the wall clock from starting the command to its `epoch 1/2` line
+               (interpreter, imports, checks, data, ranks, network, epoch 1's steps and evaluation), and the part of
+               it before epoch 1 (that figure less epoch 1's epoch_seconds): the time to the first step.
 (c) ceiling:   one process, all cores (or one GPU per rank), no DDP and no data loading: forward + backward +
                step of the same network in the project's precision, layout and cudnn setting on one fixed
                batch (compiled with --compile). (b)/(c) is the share of the ceiling the project reaches.
@@ -17,27 +20,30 @@ Same network, global batch and world size for (a), (a') and (b). Prints images/s
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import config
-import outputs
 import pandas as pd
 import torch
-from processes import UserError
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 import distribute_tools
+import muon
 import train_distribute as td
 from data import make_synthetic
-from distribute_tools import bf16_is_fast, choose_device, cleanup, cpu_cores, resolve_world_size, run_distribute, setup
+from distribute_tools import bf16_is_fast, choose_device
 from resnet import ResNet
+from safeguards import checks, failures, files, settings
+from safeguards.failures import UserError
 
+ROOT = Path(__file__).resolve().parent.parent
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, for the MFU line
 
 
@@ -53,6 +59,27 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip_seed", action="store_true", help="only (b) and (c)")
     parser.add_argument("--optimizer", default="", help="(b) and (c) with this OPTIMIZER, not the default one")
     return parser.parse_args()
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (GPUs run asynchronously; CPUs have nothing queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def all_ranks_peak_memory_mb(device: torch.device) -> float:
+    """DDP: every rank. The largest rank's peak memory, as the project's CSV reports it."""
+    peak = torch.tensor([files.peak_memory_mb(device)], device=device)
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    return peak.item()
 
 
 # ----------------------------------------------------------------------------- (a) the seed's pipeline
@@ -76,15 +103,20 @@ class PilImages(Dataset):
         return self.transform(Image.fromarray(self.pixels[i])), self.labels[i]
 
 
-def seed_pipeline_worker(rank: int, world_size: int, args: argparse.Namespace, best: bool, result_path: str) -> None:
-    info = setup(rank, world_size)
-    images = make_synthetic((args.warmup + args.steps) * args.batch_size, seed=0, split=0)
-    dataset = PilImages(images.images.permute(0, 2, 3, 1).contiguous(), images.labels)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)
-    workers = max(1, cpu_cores() // info.local_world_size) if best else 0
+def seed_pipeline_rank(args: argparse.Namespace, best: bool, result_path: str) -> None:
+    """One rank of the seed's pipeline (started by run_distribute): its line and exit code as the project's ranks."""
+    failures.run_rank(lambda: seed_pipeline(args, best, result_path))
+
+
+def seed_pipeline(args: argparse.Namespace, best: bool, result_path: str) -> None:
+    info = distribute_tools.setup()
+    images, labels = make_synthetic((args.warmup + args.steps) * args.batch_size, seed=0, split=0)  # uint8 NHWC
+    dataset = PilImages(images, labels)
+    sampler = DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank)
+    workers = max(1, cores() // info.local_world_size) if best else 0
     loader = DataLoader(
         dataset,
-        batch_size=args.batch_size // world_size,
+        batch_size=args.batch_size // info.world_size,
         sampler=sampler,
         num_workers=workers,
         pin_memory=best and info.device.type == "cuda",
@@ -101,21 +133,24 @@ def seed_pipeline_worker(rank: int, world_size: int, args: argparse.Namespace, b
         loss.backward()
         optimizer.step()
         if step == args.warmup - 1:  # the timed window starts before the first timed batch is loaded
-            distribute_tools.synchronize(info.device)
+            synchronize(info.device)
             started = time.perf_counter()
-    distribute_tools.synchronize(info.device)
+    synchronize(info.device)
     seconds = time.perf_counter() - started
-    memory = outputs.all_ranks_peak_memory_mb(info.device)
+    memory = all_ranks_peak_memory_mb(info.device)  # DDP: every rank
     if info.is_main:
         Path(result_path).write_text(f"{args.steps * args.batch_size / seconds} {memory}")
-    cleanup(every_rank_leaves=True)
+    del loader, model, optimizer  # the loader's workers end before the group is left
+    distribute_tools.cleanup()
 
 
 def run_seed_pipeline(args: argparse.Namespace, world_size: int, best: bool) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "seed.txt")
-        if run_distribute(seed_pipeline_worker, world_size, args, best, result) != 0:
-            sys.exit("the seed pipeline failed")
+        try:
+            distribute_tools.run_distribute(seed_pipeline_rank, world_size, args, best, result)
+        except ChildFailedError as e:
+            sys.exit(f"the seed pipeline failed: {failures.outcome(e)[1]}")
         speed, memory = Path(result).read_text().split()
     return float(speed), float(memory)
 
@@ -123,28 +158,46 @@ def run_seed_pipeline(args: argparse.Namespace, world_size: int, best: bool) -> 
 # ----------------------------------------------------------------------------- (b) this project
 
 
-def run_project(args: argparse.Namespace, world_size: int) -> tuple[float, float, str]:
+def run_project(args: argparse.Namespace, world_size: int) -> dict:
+    """`python train_distribute.py` on synthetic data: epoch 2's images/s and peak memory from its CSV, its
+    precision from its first line, and the wall clock from launch to its first epoch line."""
     with tempfile.TemporaryDirectory() as out:
-        cfg = config.read_config(
-            td.__file__,
-            [
-                "--dataset=synthetic",
-                f"--synthetic_size={args.steps * args.batch_size}",
-                f"--width={args.width}",
-                f"--batch_size={args.batch_size}",
-                f"--world_size={world_size}",
-                "--epochs=2",
-                f"--output_dir={out}",
-                f"--compile={args.compile}",
-                f"--amp={args.amp}",
-                *optimizer_setting(args),
-            ],
-        )
-        if run_distribute(td.main_worker, world_size, cfg, time.time()) != 0:
-            sys.exit("the project's training failed")
-        epoch = pd.read_csv(os.path.join(out, "pytorch_res.csv")).iloc[-1]
-        precision = "bf16" if cfg.AMP and bf16_is_fast(choose_device(0, 1)[0]) else "fp32"
-        return float(epoch["images_per_second"]), float(epoch["peak_memory_mb"]), precision
+        command = [
+            sys.executable,
+            "-u",
+            str(ROOT / "train_distribute.py"),
+            "--dataset=synthetic",
+            f"--synthetic_size={args.steps * args.batch_size}",
+            f"--width={args.width}",
+            f"--batch_size={args.batch_size}",
+            f"--world_size={world_size}",
+            "--epochs=2",
+            f"--output_dir={out}",
+            f"--compile={args.compile}",
+            f"--amp={args.amp}",
+            *optimizer_setting(args),
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RESNET_DDP_", "TORCHELASTIC_"))}
+        started, first_epoch, lines = time.monotonic(), None, []
+        with subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
+        ) as process:
+            for line in process.stdout:
+                lines.append(line.rstrip())
+                if first_epoch is None and line.startswith("epoch 1/"):
+                    first_epoch = time.monotonic() - started
+        if process.returncode != 0 or first_epoch is None:
+            sys.exit(f"the project's training failed (exit {process.returncode}): " + " | ".join(lines[-3:]))
+        rows = pd.read_csv(os.path.join(out, files.CSV_NAME))
+    precision = next(("bf16" if "bf16 autocast" in line else "fp32" for line in lines if "| global batch" in line), "?")
+    last = rows.iloc[-1]
+    return {
+        "images_per_second": float(last["images_per_second"]),
+        "peak_memory_mb": float(last["peak_memory_mb"]),
+        "precision": precision,
+        "first_epoch_end": first_epoch,
+        "first_step": first_epoch - float(rows["epoch_seconds"].iloc[0]),
+    }
 
 
 def optimizer_setting(args: argparse.Namespace) -> list[str]:
@@ -156,14 +209,15 @@ def optimizer_setting(args: argparse.Namespace) -> list[str]:
 
 def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format) -> tuple[float, float]:
     """Images/s of forward + backward + step alone in one process; and FLOPs per training image."""
-    device, _ = choose_device(0, 1)
-    torch.set_num_threads(cpu_cores())
+    device, _ = choose_device(0, 1, gpu_count())
+    torch.set_num_threads(cores())
     torch.backends.cudnn.benchmark = True  # as the project sets it
     model = ResNet(args.width)
-    distribute_tools.route_around_cpu_crashes(model, device)  # as the project
+    checks.route_around_cpu_crashes(model, device)  # as the project
     model = model.to(device, memory_format=memory_format)
-    amp = args.amp.lower() in ("true", "1") and bf16_is_fast(device)
-    optimizer = td.make_optimizer(config.read_config(td.__file__, optimizer_setting(args)), model, device, amp)
+    amp = args.amp.lower() in settings.TRUE and bf16_is_fast(device)
+    cfg = settings.read(td, [f"--batch_size={args.batch_size}", *optimizer_setting(args)])
+    optimizer = muon.make_optimizer(cfg, model, td.peak_lr(cfg), device, amp)
     step_model = torch.compile(model) if args.compile else model
     x = torch.randn(args.batch_size, 3, 32, 32, device=device).contiguous(memory_format=memory_format)
     y = torch.randint(10, (args.batch_size,), device=device)
@@ -185,11 +239,11 @@ def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format
     flops_per_image = counter.get_total_flops() / args.batch_size
     for _ in range(max(args.warmup, 3 if args.compile else 1)):
         step()
-    distribute_tools.synchronize(device)
+    synchronize(device)
     started = time.perf_counter()
     for _ in range(args.steps):
         step()
-    distribute_tools.synchronize(device)
+    synchronize(device)
     return args.steps * args.batch_size / (time.perf_counter() - started), flops_per_image
 
 
@@ -205,18 +259,18 @@ def cpu_kind() -> str:
 def main() -> None:
     args = parse_args()
     try:
-        world_size = resolve_world_size(args.world_size)
+        world_size = distribute_tools.world_size(args.world_size, gpu_count())
+        optimizer = settings.read(td, optimizer_setting(args)).OPTIMIZER
     except UserError as e:
         sys.exit(f"error: {e}")
-    device, backend = choose_device(0, 1)
-    name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"{cpu_kind()}, {cpu_cores()} cores"
+    device, backend = choose_device(0, 1, gpu_count())
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"{cpu_kind()}, {cores()} cores"
     print(
         f"machine: {name} | torch {torch.__version__} | {world_size} rank(s), {backend} | width {args.width}, "
-        f"global batch {args.batch_size}, {args.steps} timed steps | (b) and (c) with "
-        f"{args.optimizer or config.read_config(td.__file__, []).OPTIMIZER}",
+        f"global batch {args.batch_size}, {args.steps} timed steps | (b) and (c) with {optimizer}",
         flush=True,
     )
-    if not args.skip_seed:
+    if not args.skip_seed:  # before any computation here: the ranks are forked from this process
         seed_speed, seed_memory = run_seed_pipeline(args, world_size, best=False)
         print(
             f"(a)  seed pipeline           {seed_speed:10,.0f} images/s   peak memory {seed_memory:8,.0f} MiB",
@@ -227,10 +281,16 @@ def main() -> None:
             f"(a') seed at its best        {best_speed:10,.0f} images/s   peak memory {best_memory:8,.0f} MiB",
             flush=True,
         )
-    ours_speed, ours_memory, precision = run_project(args, world_size)
+    ours = run_project(args, world_size)
+    ours_speed, precision = ours["images_per_second"], ours["precision"]
     print(
-        f"(b)  this project            {ours_speed:10,.0f} images/s   peak memory {ours_memory:8,.0f} MiB "
+        f"(b)  this project            {ours_speed:10,.0f} images/s   peak memory {ours['peak_memory_mb']:8,.0f} MiB "
         f"({precision}{', compiled' if args.compile else ''})",
+        flush=True,
+    )
+    print(
+        f"     launch to first epoch end {ours['first_epoch_end']:.1f} s (the command's wall clock to its epoch 1 "
+        f"line), of which before epoch 1's first step {ours['first_step']:.1f} s",
         flush=True,
     )
     ceiling, flops = compute_ceiling(args, torch.channels_last)  # the project's layout

@@ -4,6 +4,10 @@ the background writer, side by side, alternating, on the same run.
     python -m benchmarks.writer_stall                  # width 8, 4,096 synthetic images, 8 epochs, 2 CPU ranks
     python -m benchmarks.writer_stall --rounds=3 --width=16
 
+Each run is `python -m benchmarks.writer_stall --train ARGS`: train_distribute.main(ARGS) with its ranks forked from
+that process (a function entrypoint), so that with WRITE_IN_LINE=1 they inherit the in-line writer, which writes the
+checkpoint, CSV and picture of every epoch before training goes on. Both variants start the same way.
+
 For each run: the median over epochs 2..N of (growth of elapsed_seconds) / epoch_seconds, which is 1.00
 when nothing but training and evaluation happens between two epochs' clocks; the mean training images/s
 over epochs 2..N; the whole process's wall clock; the seconds training waited for the writer.
@@ -15,22 +19,39 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-import outputs
 import pandas as pd
 
-if os.environ.get("WRITE_IN_LINE") == "1":  # at the top level: spawned ranks run this too
+ROOT = Path(__file__).resolve().parent.parent
 
-    class InLineWriter(outputs.ResultWriter):
-        """The writes as they were: checkpoint, CSV and picture of every epoch before training goes on."""
 
-        def submit(self, checkpoint: dict, history: list) -> None:
-            outputs.save_checkpoint(outputs.cpu_snapshot(checkpoint), self.output_dir)
-            outputs.write_csv(history, self.output_dir)
-            outputs.plot_history(history, self.output_dir)
-            self.history, self.plotted_rows = list(history), len(history)
+def write_in_line() -> None:
+    """The writes as they were: ResultWriter.submit writes the epoch's checkpoint, CSV and picture at once."""
+    import torch
 
-    outputs.ResultWriter = InLineWriter
+    from safeguards import files
+
+    def submit(self: files.ResultWriter, checkpoint: dict, history: list) -> None:
+        snapshot = files.cpu_copy(checkpoint)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the copies from the GPU are done
+        path = os.path.join(self.output_dir, files.CHECKPOINT_NAME)
+        files.write_atomically(path, lambda tmp: torch.save(snapshot, tmp))
+        files.write_csv(history, self.output_dir)
+        files.plot(history, self.output_dir)
+        self.saved, self.plotted = list(history), len(history)  # close() has nothing left to write
+
+    files.ResultWriter.submit = submit
+
+
+def train(argv: list[str]) -> int:
+    """The project's launcher in this process; its ranks are forked from it (they inherit the in-line writer)."""
+    import train_distribute
+
+    if os.environ.get("WRITE_IN_LINE") == "1":
+        write_in_line()
+    return train_distribute.main(argv, entrypoint=train_distribute.main)
 
 
 def one_run(args: argparse.Namespace, in_line: bool) -> dict:
@@ -48,9 +69,10 @@ def one_run(args: argparse.Namespace, in_line: bool) -> dict:
             f"--world_size={args.world_size}",
             f"--output_dir={out}",
         ]
-        env = {**os.environ, "WRITE_IN_LINE": "1" if in_line else "0", "CUDA_VISIBLE_DEVICES": ""}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RESNET_DDP_", "TORCHELASTIC_"))}
+        env.update(WRITE_IN_LINE="1" if in_line else "0", CUDA_VISIBLE_DEVICES="")
         started = time.monotonic()
-        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(command, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
         wall = time.monotonic() - started
         df = pd.read_csv(os.path.join(out, "pytorch_res.csv"))
     later = df.iloc[1:]
@@ -65,10 +87,8 @@ def one_run(args: argparse.Namespace, in_line: bool) -> dict:
 
 
 def main() -> None:
-    if "--train" in sys.argv:
-        import train_distribute
-
-        sys.exit(train_distribute.main([a for a in sys.argv[1:] if a != "--train"]))
+    if sys.argv[1:2] == ["--train"]:
+        sys.exit(train(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=8)
     parser.add_argument("--images", type=int, default=4096)

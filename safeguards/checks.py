@@ -1,22 +1,42 @@
 """Every check that needs no rank, each one line naming the fix, before anything starts (in the launcher; under
 torchrun in every rank before it joins the group)."""
 
+import functools
 import os
 import shutil
 import subprocess
 import traceback
 from collections.abc import Callable
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import torch
 
+import data
+import distribute_tools
+from safeguards import settings
 from safeguards.failures import UserError, first_line
+
+
+def read_and_check(script: ModuleType, argv: list[str]) -> tuple[SimpleNamespace, int]:
+    """The script's settings and the world size, and every check that needs no rank, before anything starts."""
+    cfg = settings.read(script, argv)
+    gpus = gpus_usable()
+    world_size = distribute_tools.world_size(cfg.WORLD_SIZE, gpus)
+    before_start(cfg, world_size, gpus, lambda classes: script.make_model(cfg, classes), data.sizes(cfg))
+    return cfg, world_size
 
 
 def before_start(
     cfg: SimpleNamespace, world_size: int, gpus: int, make_model: Callable[[int], torch.nn.Module], sizes: tuple
 ) -> None:
     """The settings against the ranks, the hardware, the data's sizes (train images, classes) and the network."""
+    if cfg.WORLD_SIZE < 0 or (gpus and cfg.WORLD_SIZE > gpus) and not distribute_tools.under_torchrun():
+        raise UserError(
+            f"WORLD_SIZE={cfg.WORLD_SIZE} is no number of ranks for this machine ({gpus} GPUs); use 0 (every GPU, or 2 "
+            f"CPU processes) or a count up to the GPUs"
+        )
+    if distribute_tools.under_torchrun():  # two ranks on one GPU is refused before anything starts
+        distribute_tools.choose_device(int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gpus)
     if cfg.BATCH_SIZE % (world_size * cfg.ACCUMULATE):
         raise UserError(
             f"BATCH_SIZE={cfg.BATCH_SIZE} does not split evenly over {world_size} ranks x {cfg.ACCUMULATE} "
@@ -62,7 +82,22 @@ def gpus_usable() -> int:
         return 0
     if any(line.startswith("GPU ") for line in listing.splitlines()):
         raise UserError(
-            f"nvidia-smi shows GPUs but torch {torch.__version__} cannot use them; install a torch build for this "
-            f"driver (pytorch.org), or train on the CPU on purpose with CUDA_VISIBLE_DEVICES= python train_distribute.py"
+            f"nvidia-smi shows GPUs but torch {torch.__version__} cannot use them; install a torch build for this driver "
+            f"(pytorch.org), or train on the CPU on purpose: CUDA_VISIBLE_DEVICES= python train_distribute.py"
         )
     return 0
+
+
+def route_around_cpu_crashes(model: torch.nn.Module, device: torch.device) -> None:
+    """On AVX-512 CPUs oneDNN's channels_last weight gradient of a strided 1x1 convolution with at most 8 input
+    channels corrupts the heap (docs/cpu-kinds.md). On CPUs such a convolution takes every stride-th pixel first and
+    then runs with stride 1: the same function through another kernel."""
+    for conv in model.modules() if device.type == "cpu" else ():
+        if isinstance(conv, torch.nn.Conv2d) and conv.kernel_size == (1, 1) and conv.padding in ((0, 0), "valid"):
+            if conv.stride != (1, 1) and conv.in_channels <= 8:
+                conv.register_forward_pre_hook(functools.partial(_subsample, stride=conv.stride))
+                conv.stride = (1, 1)
+
+
+def _subsample(conv: torch.nn.Module, inputs: tuple[torch.Tensor], stride: tuple[int, int]) -> tuple[torch.Tensor]:
+    return (inputs[0][..., :: stride[0], :: stride[1]],)

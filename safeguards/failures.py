@@ -17,6 +17,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.distributed
 
 EXIT_MISTAKE, EXIT_STOPPED, EXIT_INTERRUPTED = 2, 75, 130
 EXIT_PEER_LOST = 3  # a rank that only lost a peer: the launcher names the rank that failed first (the run exits 1)
@@ -205,3 +208,21 @@ def _as_user_error(error: BaseException) -> BaseException:
 
 def first_line(error: BaseException, limit: int = 160) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
+
+
+def all_ranks_try(action: Callable[[], Any] | None) -> Any:
+    """DDP: every rank calls it. The ranks given an `action` run it (rank 0 alone, say); a UserError on any of them is
+    raised on every rank, so that all stop together. Returns this rank's result."""
+    result, error = None, None
+    try:
+        result = action() if action else None
+    except UserError as e:
+        error = str(e)
+    errors: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(
+        errors, error
+    )  # every rank's error or None, read on the host: a barrier on NCCL too
+    first = next((e for e in errors if e), None)
+    if first:
+        raise UserError(first)
+    return result

@@ -1,11 +1,12 @@
-"""Rank 0's files in OUTPUT_DIR, each written to a temporary name and renamed over the old one (a crash or kill -9
-at any moment leaves the previous whole file or the new whole file), on a background thread so that training never
-waits for the disk."""
+"""Rank 0's files in OUTPUT_DIR and its lines on the console. Each file is written to a temporary name and renamed over
+the old one (a crash or kill -9 at any moment leaves the previous whole file or the new whole file), on a background
+thread so that training never waits for the disk."""
 
 import errno
 import os
 import resource
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -153,3 +154,46 @@ def plot(history: list[dict], output_dir: str) -> None:
     acc.legend()
     figure.subplots_adjust(left=0.05, right=0.99, bottom=0.14, top=0.91, wspace=0.22)
     write_atomically(os.path.join(output_dir, PLOT_NAME), lambda tmp: figure.savefig(tmp, dpi=110, format="png"))
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This process's peak memory: GPU memory allocated, or resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def describe(model: torch.nn.Module, cfg: Any, info: Any, data: dict, steps: int, bf16: bool) -> str:
+    """Rank 0's first line: what the run is."""
+    width = f"width={cfg.WIDTH}, " if type(model).__name__ == "ResNet" and "WIDTH" in vars(cfg) else ""
+    parameters = f"{width}{sum(p.numel() for p in model.parameters()):,} parameters"
+    images = f"{data['identity'].split(' of ')[0]} on {cfg.DATASET}"
+    return (
+        f"{type(model).__name__}({parameters}) | {images} | loader {data['loader']} | {info.world_size} rank(s) on "
+        f"{info.device.type} ({info.backend}) | global batch {cfg.BATCH_SIZE}, {steps} steps per epoch, {cfg.EPOCHS} "
+        f"epochs | {cfg.OPTIMIZER} | {'bf16 autocast' if bf16 else 'fp32'}"
+    )
+
+
+def epoch_line(row: dict, epochs: int) -> str:
+    return (
+        f"epoch {row['epoch']}/{epochs}  loss {row['loss']:.4f}  acc {row['acc']:.4f}  test_loss {row['test_loss']:.4f}"
+        f"  lr {row['lr']:.4g}  {row['epoch_seconds']:.1f} s  {row['images_per_second']:,.0f} img/s"
+    )
+
+
+def summary_line(history: list[dict], output_dir: str) -> str:
+    best = max(history, key=lambda row: row["acc"])
+    return (
+        f"done: {len(history)} epochs; best acc {best['acc']:.4f} (epoch {best['epoch']}), final acc "
+        f"{history[-1]['acc']:.4f}; results in {output_dir}"
+    )
+
+
+def progress(batches: Any, steps: int, title: str, is_main: bool) -> Any:
+    """Rank 0's progress bar on a terminal (steps only: no host sync); the batches as they are elsewhere."""
+    if not (is_main and sys.stdout.isatty()):
+        return batches
+    from tqdm import tqdm
+
+    return tqdm(batches, total=steps, desc=title, unit="step", leave=False, file=sys.stdout)

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distribute_tools import DistInfo, all_ranks_try, under_torchrun
+from distribute_tools import DistInfo, under_torchrun
 from safeguards import failures, files, settings
 from safeguards.failures import UserError
 
 RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # set by torchrun, and by SLURM on a requeue
+FINISHED = "already finished: all {cfg.EPOCHS} epochs are in {cfg.OUTPUT_DIR}; nothing to do"
 _held: list[filelock.BaseFileLock] = []  # rank 0's lock on OUTPUT_DIR, held until the process ends
 
 
@@ -67,6 +68,8 @@ def decide_here(cfg: SimpleNamespace) -> str:
         ) from None
     lock(cfg.OUTPUT_DIR, wait_s=0).release()
     kind = decide(cfg, _read(cfg.OUTPUT_DIR, strict=cfg.RESUME))
+    if kind == "finished":
+        print(FINISHED.format(cfg=cfg), flush=True)
     before = _stamp(cfg.OUTPUT_DIR)  # a checkpoint this run has not replaced is an earlier run's
     failures.tell_kept_files(lambda: kept_files(cfg.OUTPUT_DIR, kind != "new" or _stamp(cfg.OUTPUT_DIR) != before))
     return kind
@@ -95,7 +98,7 @@ def lock(output_dir: str, wait_s: float) -> filelock.BaseFileLock:
 def all_ranks_begin(cfg: SimpleNamespace, info: DistInfo) -> tuple[str, dict[str, Any] | None]:
     """DDP: every rank. The decision on the newest checkpoint of any machine, and that checkpoint, sent to every rank
     from where it lies; rank 0 locks OUTPUT_DIR and makes it this run's."""
-    here = all_ranks_try(lambda: _read(cfg.OUTPUT_DIR, strict=cfg.RESUME) if info.local_rank == 0 else None)
+    here = failures.all_ranks_try(lambda: _read(cfg.OUTPUT_DIR, strict=cfg.RESUME) if info.local_rank == 0 else None)
     everyone: list[Any] = [None] * info.world_size
     dist.all_gather_object(everyone, (int(here["epoch"]), here.get("run_ids", {})) if here else (-1, {}))
     ours = [epoch if cfg.RESUME or _same_run(ids) else -1 for epoch, ids in everyone]
@@ -104,9 +107,11 @@ def all_ranks_begin(cfg: SimpleNamespace, info: DistInfo) -> tuple[str, dict[str
     if max(ours) >= 0 and (cfg.RESUME or restarted_by()):
         dist.broadcast_object_list(shared, src=source)  # DDP: the newest checkpoint, from the rank that read it
     kind = decide(cfg, shared[0] if max(ours) >= 0 else None)
+    if kind == "finished" and info.is_main:
+        print(FINISHED.format(cfg=cfg), flush=True)
     checkpoint = shared[0] if kind == "resume" else None
     if kind != "finished":
-        all_ranks_try(lambda: _make_ours(cfg, checkpoint, source) if info.is_main else None)
+        failures.all_ranks_try(lambda: _make_ours(cfg, checkpoint, source) if info.is_main else None)
     return kind, checkpoint
 
 
@@ -136,7 +141,9 @@ def restore(
     checkpoint: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, identity: str, folder: str
 ) -> list[dict]:
     """Every rank alike, before anything changes: the checkpoint's data (`identity`) and network are this run's.
-    Loads the weights and the optimizer's state; returns the rows of the epochs done."""
+    Loads the weights and the optimizer's state; returns the rows of the epochs done ([] for a new run)."""
+    if checkpoint is None:
+        return []
     if checkpoint["data"]["identity"] != identity:
         raise UserError(
             f"the checkpoint in {folder} was trained on other data ({checkpoint['data']['identity']}, now "

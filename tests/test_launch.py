@@ -63,7 +63,7 @@ def test_a_finished_run_in_a_new_interpreter_exits_0_and_prints_only_its_lines(t
         ("--batch_size=47", "does not split evenly over 2 ranks"),
         ("--optimiser=sgd", "unknown setting --optimiser; did you mean --optimizer?"),
         ("--lr=fast", "--lr=fast is not a number"),
-        ("--world_size=-1", "WORLD_SIZE=-1 is negative"),
+        ("--world_size=-1", "WORLD_SIZE=-1 is no number of ranks for this machine"),
         ("--resume", "RESUME=True but there is no"),
         ("--dataset=imagefolder", "DATA_DIR /nowhere does not exist"),
     ],
@@ -156,9 +156,8 @@ def test_a_rank_that_raises_prints_its_traceback_and_the_launcher_names_it(tmp_p
     out, err = run.communicate(timeout=HANG_TIMEOUT)
     assert run.returncode == 1
     assert "[rank 1] RuntimeError: a bug on rank 1" in err and "Traceback" in err
-    assert lines(err)[-1].startswith(
-        "error: rank 1 failed with RuntimeError: a bug on rank 1, raised on purpose by the test; stopped the other ranks"
-    )
+    bug = "a bug on rank 1, raised on purpose by the test"
+    assert lines(err)[-1].startswith(f"error: rank 1 failed with RuntimeError: {bug}; stopped the other ranks")
 
 
 @pytest.mark.parametrize("interpreter", ["forked", "new"])

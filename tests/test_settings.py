@@ -1,0 +1,238 @@
+"""The settings block at the top of train_distribute.py as the command line (safeguards/settings.py), the resume rule
+over the settings, and the learning-rate schedule. In-process: no ranks."""
+
+import importlib.util
+import re
+import typing
+from types import SimpleNamespace
+
+import pytest
+
+import train_distribute as td
+from safeguards import settings
+from safeguards.failures import UserError
+from tests.conftest import SCRIPT, SETTINGS, read_config
+
+RESTART = "TORCHELASTIC_RESTART_COUNT=1"
+
+
+def comments_in_the_file() -> dict[str, str]:
+    """Each setting's comment, read from the file's lines (`NAME: type = value  # comment`)."""
+    found = {}
+    for line in SCRIPT.read_text().splitlines():
+        match = re.match(r"([A-Z][A-Z0-9_]*): .*?  # (.*)$", line)
+        if match:
+            found[match[1]] = match[2].strip()
+    return found
+
+
+def another_value(name: str) -> typing.Any:
+    """A valid value of the setting other than its default."""
+    default, choices = getattr(td, name), typing.get_args(SETTINGS[name])
+    if choices:
+        return next(c for c in choices if c != default)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, str):
+        return default + "-other"
+    return default + 1 if isinstance(default, int) else default / 2 + 0.25
+
+
+def edited_copy(tmp_path, monkeypatch, old: str, new: str) -> typing.Any:
+    """train_distribute.py with one line of its settings block edited, imported as a module of its own."""
+    text = SCRIPT.read_text()
+    assert old in text
+    copy = tmp_path / "train_distribute.py"
+    copy.write_text(text.replace(old, new, 1))
+    spec = importlib.util.spec_from_file_location("edited_train_distribute", copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(settings, "DEFAULTS", {})  # reading the copy must not change the real script's defaults
+    return module
+
+
+# ----------------------------------------------------------------------------- reading the command line
+
+
+def test_defaults_are_the_constants_at_the_top():
+    assert vars(read_config([])) == {name: getattr(td, name) for name in SETTINGS}
+    assert settings.DEFAULTS == {name: getattr(td, name) for name in SETTINGS}
+
+
+def test_name_value_and_name_equals_value_both_work():
+    cfg = read_config(["--epochs", "3", "--lr=1", "--dataset", "synthetic", "--data_dir=/x", "--label_smoothing", "0"])
+    assert (cfg.EPOCHS, cfg.LR, cfg.DATASET, cfg.DATA_DIR, cfg.LABEL_SMOOTHING) == (3, 1.0, "synthetic", "/x", 0.0)
+    assert type(cfg.LR) is float and type(cfg.EPOCHS) is int
+    assert read_config(["--world_size", "-1"]).WORLD_SIZE == -1  # a negative number is a value, not an option
+    assert read_config(["--epochs=2", "--epochs=4"]).EPOCHS == 4  # the last one counts
+
+
+@pytest.mark.parametrize(
+    "spelling, value", [("True", True), ("true", True), ("1", True), ("False", False), ("false", False), ("0", False)]
+)
+def test_boolean_spellings(spelling, value):
+    cfg = read_config([f"--resume={spelling}", "--amp", spelling])
+    assert cfg.RESUME is value and cfg.AMP is value
+
+
+def test_a_bare_boolean_flag_means_true():
+    assert read_config(["--resume"]).RESUME is True and read_config([]).RESUME is False
+    assert read_config(["--resume", "--epochs=3"]).RESUME is True  # the next option is not its value
+
+
+def test_help_lists_every_setting_with_its_default_choices_and_comment(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "2000")  # one line per setting: no word of a comment wrapped or hyphen split
+    with pytest.raises(SystemExit) as done:
+        read_config(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    comments = comments_in_the_file()
+    assert set(comments) == set(SETTINGS)  # every setting has a comment on its line
+    for name, kind in SETTINGS.items():
+        choices, default = typing.get_args(kind), getattr(td, name)
+        metavar = "{" + ",".join(choices) + "}" if choices else "[BOOL]" if kind is bool else kind.__name__.upper()
+        assert f"--{name.lower()} {metavar} {comments[name]} (default: {default})" in text, name
+    assert text.startswith("usage: train_distribute.py")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--epochs=2.5"], "--epochs=2.5 is not an integer; e.g. --epochs 1"),
+        (["--lr=abc"], "--lr=abc is not a number; e.g. --lr 0.1"),
+        (["--lr=nan"], "--lr=nan is not a number"),
+        (["--lr=inf"], "--lr=inf is not a number"),
+        (["--resume=maybe"], "--resume=maybe is not True or False; e.g. --resume True"),
+        (["--epochs=0"], "EPOCHS=0 on the command line is out of range: it must be positive"),
+        (["--batch_size=-4"], "BATCH_SIZE=-4 on the command line is out of range: it must be positive"),
+        (["--lr=0"], "LR=0.0 on the command line is out of range: it must be positive"),
+        (["--warmup=1.5"], "WARMUP=1.5 on the command line is out of range: it must be from 0 to 1"),
+        (["--momentum=1"], "MOMENTUM=1.0 on the command line is out of range: it must be from 0 to 0.999"),
+        (["--num_workers=-2"], "NUM_WORKERS=-2 on the command line is out of range: it must be at least -1"),
+        (["--image_size=4"], "IMAGE_SIZE=4 on the command line is out of range: it must be at least 8"),
+        (["--dataset=imagenet"], "invalid choice: 'imagenet' (choose from 'cifar10', 'imagefolder', 'synthetic')"),
+        (["--optimizer", "lion"], "invalid choice: 'lion'"),
+        (["--optimiser=sgd"], "unknown setting --optimiser; did you mean --optimizer?"),
+        (["--no_such_thing=1"], "unknown setting --no_such_thing;"),
+        (["--epoch=5"], "unknown setting --epoch; did you mean --epochs?"),  # no abbreviations
+        (["--epochs"], "argument --epochs: expected one argument"),
+        (["epochs=3"], "unrecognized arguments: epochs=3"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_fix(argv, message):
+    with pytest.raises(UserError) as error:
+        read_config(argv)
+    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_the_limits_themselves_are_allowed():
+    assert set(settings.LIMITS) <= set(SETTINGS) and settings.FREE_ON_RESUME <= set(SETTINGS)
+    lowest = {name: low for name, (low, _) in settings.LIMITS.items()}
+    highest = {name: high for name, (_, high) in settings.LIMITS.items() if high is not None}
+    for limits in (lowest, highest):
+        cfg = read_config([f"--{name.lower()}={value}" for name, value in limits.items()])
+        assert {name: getattr(cfg, name) for name in limits} == limits
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ("EPOCHS: int = 30", 'EPOCHS: int = "5"', "EPOCHS = '5' at the top of {file} is not an integer"),
+        ("EPOCHS: int = 30", "EPOCHS: int = 2.0", "EPOCHS = 2.0 at the top of {file} is not an integer"),
+        ("AMP: bool = True", "AMP: bool = 1", "AMP = 1 at the top of {file} is not True or False"),
+        ("SEED: int = 0", "SEED: int = False", "SEED = False at the top of {file} is not an integer"),
+        ("LR: float = 0.4", 'LR: float = "fast"', "LR = 'fast' at the top of {file} is not a number"),
+        (
+            'OPTIMIZER: Literal["sgd", "adam", "muon"] = "muon"',
+            'OPTIMIZER: Literal["sgd", "adam", "muon"] = "lion"',
+            "OPTIMIZER = 'lion' at the top of {file} is not one of sgd, adam, muon",
+        ),
+        ("EPOCHS: int = 30", "EPOCHS: int = 0", "EPOCHS=0 at the top of train_distribute.py is out of range"),
+    ],
+)
+def test_a_wrong_value_in_the_file_itself_is_named(tmp_path, monkeypatch, old, new, message):
+    script = edited_copy(tmp_path, monkeypatch, old, new)
+    with pytest.raises(UserError) as error:
+        settings.read(script, [])
+    assert message.format(file=script.__file__) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_copy_of_the_file_with_good_values_reads_its_own_defaults(tmp_path, monkeypatch):
+    script = edited_copy(tmp_path, monkeypatch, "EPOCHS: int = 30", "EPOCHS: int = 7")
+    assert settings.read(script, []).EPOCHS == 7 and settings.read(script, ["--epochs=2"]).EPOCHS == 2
+
+
+# ----------------------------------------------------------------------------- the resume rule
+
+
+def test_resume_compares_every_setting_but_the_free_ones():
+    cfg = read_config([])
+    saved = dict(vars(cfg))
+    settings.check_resume(saved, cfg)
+    for name in SETTINGS:
+        changed = {**saved, name: another_value(name)}
+        if name in settings.FREE_ON_RESUME:  # where files are, how it is launched, how it is evaluated
+            settings.check_resume(changed, cfg)
+        else:
+            with pytest.raises(UserError, match=f"RESUME=True but {name}=.* differs from the checkpoint's"):
+                settings.check_resume(changed, cfg)
+
+
+def test_a_setting_added_after_the_checkpoint_resumes_at_its_default():
+    """A checkpoint written before a setting existed: the default continues it; another value is refused in a line
+    whose fix, followed on the command line, resumes."""
+    now, fixes = vars(read_config([])), []
+    for added in sorted(set(SETTINGS) - settings.FREE_ON_RESUME):
+        older = {name: value for name, value in now.items() if name != added}
+        settings.check_resume(older, SimpleNamespace(**now))
+        with pytest.raises(UserError) as refusal:
+            settings.check_resume(older, SimpleNamespace(**{**now, added: another_value(added)}))
+        assert "\n" not in str(refusal.value)
+        option, value = str(refusal.value).split("resume with ")[1].split(", or")[0].split(" ", 1)
+        assert option == f"--{added.lower()}"
+        fixes += [option, value]
+    assert vars(read_config(fixes)) == now  # every fix given on the command line: each setting back at its default
+
+
+def test_a_changed_setting_in_a_restart_says_how_to_continue_the_job():
+    saved = vars(read_config(["--epochs=5", "--output_dir=/runs/a"]))
+    with pytest.raises(UserError) as refusal:
+        settings.check_resume(saved, read_config(["--epochs=8", "--output_dir=/runs/a"]), restart=RESTART)
+    message = str(refusal.value)
+    assert message.startswith(f"this start is a restart ({RESTART}) of the run in /runs/a, whose checkpoint has ")
+    assert "EPOCHS=5 where the settings now say 8; set EPOCHS back to 5" in message
+    assert "another --output_dir" in message and "--resume" not in message and "\n" not in message
+
+
+# ----------------------------------------------------------------------------- the learning rate
+
+
+def test_onecycle_warms_up_peaks_and_ends_near_zero():
+    total, peak = 100, 0.4
+    lrs = [td.lr_at(step, total, peak, "onecycle", warmup=0.2) for step in range(total)]
+    assert lrs[0] == pytest.approx(peak / 20)  # warm-up starts near 0 ...
+    assert max(lrs) == pytest.approx(peak) and lrs.index(max(lrs)) in (19, 20)  # ... peaks after 20% of the steps
+    assert all(a < b for a, b in zip(lrs[:19], lrs[1:20], strict=True))  # rises linearly
+    assert all(a > b for a, b in zip(lrs[20:], lrs[21:], strict=False))  # then falls linearly
+    assert lrs[-1] == pytest.approx(peak / 80)  # to (almost) 0 at the last step
+    assert all(0 < lr <= peak for lr in lrs)
+
+
+def test_onecycle_with_a_few_steps_or_no_warm_up_stays_in_range():
+    for total, warmup in ((1, 0.2), (3, 0.0), (5, 1.0)):
+        lrs = [td.lr_at(step, total, 1.0, "onecycle", warmup) for step in range(total)]
+        assert all(0 < lr <= 1.0 for lr in lrs) and max(lrs) == pytest.approx(1.0), (total, warmup, lrs)
+
+
+def test_the_constant_schedule_is_the_seeds():
+    assert {td.lr_at(step, 50, 1e-3, "constant", warmup=0.2) for step in range(50)} == {1e-3}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "muon"])
+def test_sgd_and_muon_scale_the_lr_with_the_global_batch(optimizer):
+    assert td.peak_lr(read_config([f"--optimizer={optimizer}", "--lr=0.4", "--batch_size=1024"])) == pytest.approx(0.8)
+    assert td.peak_lr(read_config([f"--optimizer={optimizer}", "--lr=0.4", "--batch_size=512"])) == pytest.approx(0.4)
+
+
+def test_adams_lr_is_used_as_given():
+    assert td.peak_lr(read_config(["--optimizer=adam", "--lr=1e-3", "--batch_size=1024"])) == pytest.approx(1e-3)

@@ -1,0 +1,190 @@
+"""The same script under torchrun: a run of its own, a mistake (one line, never restarted), a killed worker (torchrun
+restarts the workers, which resume exactly), two "machines" meeting by c10d rendezvous, a stop signal, and a finished
+run started again. torchrun's code forked from the test server, its workers forked from it (start_torchrun); the
+first test runs the real command a user types."""
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from tests.conftest import (
+    HANG_TIMEOUT,
+    SCRIPT,
+    TINY,
+    alive,
+    clean_env,
+    csv_rows,
+    free_port,
+    needs,
+    new_interpreter,
+    recorded_ranks,
+    scenario,
+    snapshot,
+    start_torchrun,
+    torchrun_command,
+    wait_for_rows,
+)
+
+ARGS = TINY[:-1]  # torchrun decides the number of ranks
+# torch's shared rendezvous store makes a restart hang (pytorch#135712): README's commands set this too
+ENV = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+TIMINGS = ("epoch_seconds", "elapsed_seconds", "images_per_second", "peak_memory_mb", "write_wait_seconds")
+LONG = [*ARGS, "--synthetic_size=4800", "--epochs=20"]  # epochs of about a second: a run to stop in the middle
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def errors(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("error: ")]
+
+
+def checkpoint_epoch(folder: Path) -> int:
+    return int(torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"])
+
+
+def standalone(*args: str, restarts: int = 0) -> list[str]:
+    return ["--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}", str(SCRIPT), *args]
+
+
+def torchrun_standalone_scenario() -> tuple[subprocess.CompletedProcess, Path]:
+    """`python -m torch.distributed.run --standalone --nproc_per_node=2 train_distribute.py ...`: real interpreters."""
+    out = Path(tempfile.mkdtemp(prefix="torchrun-")) / "out"
+    command = torchrun_command(*standalone(*ARGS, "--epochs=2", f"--output_dir={out}"))
+    with new_interpreter(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV) as process:
+        out_text, err_text = process.communicate(timeout=HANG_TIMEOUT)
+    return subprocess.CompletedProcess(command, process.returncode, out_text, err_text), out
+
+
+@needs((torchrun_standalone_scenario,))
+def test_torchrun_standalone_runs_the_same_script_and_writes_a_row_per_epoch():
+    result, out = scenario(torchrun_standalone_scenario)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| 2 rank(s) on cpu (gloo) |" in result.stdout and "done: 2 epochs" in result.stdout, result.stdout
+    assert pd.read_csv(out / "pytorch_res.csv")["epoch"].tolist() == [1, 2]
+    assert checkpoint_epoch(out) == 2
+    assert "Traceback" not in result.stderr and "terminate called" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "mistake, restarts, words",
+    [
+        (["--optimiser=sgd"], 2, "unknown setting --optimiser; did you mean --optimizer?"),
+        (["--epochs=0"], 0, "EPOCHS=0 on the command line is out of range"),
+        (["--unused_layer"], 2, "the network has parameters that no training step uses ("),
+    ],
+)
+def test_a_mistake_under_torchrun_is_one_line_and_never_restarted(tmp_path, mistake, restarts, words):
+    """A mistake found before the workers meet (a setting) or by every rank once they train (a parameter that no
+    step uses): local rank 0 prints the line, and with restarts left the worker asks torchrun to stop (a restart
+    would fail the same way), so the line comes once."""
+    unused = mistake == ["--unused_layer"]
+    env = clean_env(TEST_UNUSED_LAYER="1") if unused else ENV
+    out = tmp_path / "out"
+    run = start_torchrun(
+        *standalone(*ARGS, *([] if unused else mistake), f"--output_dir={out}", restarts=restarts), env=env
+    )
+    log = run.communicate(timeout=HANG_TIMEOUT)[0]
+    assert run.returncode == 1, log  # torchrun's own code for a failed worker
+    assert len(errors(log)) == 1 and errors(log)[0].startswith(f"error: {words}"), log
+    assert log.count(words) == 1, log  # torchrun's report follows without repeating it
+    assert csv_rows(out) == 0 and "epoch 1/" not in log
+
+
+def test_a_killed_worker_is_restarted_by_torchrun_and_the_run_resumes_exactly(tmp_path, reference_run):
+    """SIGKILL to a worker after epoch 2: torchrun restarts both, they resume from the checkpoint by themselves, and
+    the CSV is the uninterrupted run's (reference_run: the same settings) up to timings."""
+    reference, _, _ = reference_run
+    out, pids = tmp_path / "out", tmp_path / "pids"
+    pids.mkdir()
+    env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TEST_PIDS=str(pids))
+    run = start_torchrun(*standalone(*ARGS, "--epochs=5", f"--output_dir={out}", restarts=2), env=env)
+    ranks = recorded_ranks(pids)
+    wait_for_rows(out, 2, run)
+    for pid in pids.iterdir():
+        pid.unlink()  # the restarted workers record theirs anew
+    os.kill(ranks[1], signal.SIGKILL)
+    log = run.communicate(timeout=HANG_TIMEOUT)[0]
+    assert run.returncode == 0, log
+    assert not alive(ranks[0]) and len(recorded_ranks(pids)) == 2  # a new group of workers finished the run
+    resumed = pd.read_csv(out / "pytorch_res.csv")
+    expected = pd.read_csv(reference / "pytorch_res.csv")
+    assert resumed["epoch"].tolist() == [1, 2, 3, 4, 5], resumed
+    pd.testing.assert_frame_equal(resumed.drop(columns=list(TIMINGS)), expected.drop(columns=list(TIMINGS)), rtol=1e-5)
+    assert "resuming after epoch " in log and log.count("epoch 1/5") == 1, log
+    assert not list(out.glob("previous-*")), "the restart moved the run's own results aside"
+
+
+def test_two_torchrun_nodes_meet_and_only_global_rank_0_writes(tmp_path):
+    """Two torchrun processes as two machines of one worker each (c10d rendezvous: ranks in the order they arrive),
+    each with its own OUTPUT_DIR: one run of 2 ranks, whose files only global rank 0's machine gets."""
+    port, cores = free_port(), sorted(os.sched_getaffinity(0))
+    nodes = [
+        start_torchrun(
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}",
+            "--rdzv_id=two-nodes",
+            str(SCRIPT),
+            *ARGS,
+            "--epochs=2",
+            f"--output_dir={tmp_path / f'out{n}'}",
+            cpus=[cores[n % len(cores)]],  # a core each, as a machine has its own
+            env=ENV,
+        )
+        for n in (0, 1)
+    ]
+    logs = [node.communicate(timeout=HANG_TIMEOUT)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], logs
+    written = [csv_rows(tmp_path / f"out{n}") for n in (0, 1)]
+    assert sorted(written) == [0, 2], written
+    writer, other = (tmp_path / f"out{n}" for n in sorted((0, 1), key=lambda n: -written[n]))
+    assert sorted(p.name for p in writer.iterdir()) == [".lock", "checkpoint.pt", "pytorch_res.csv", "pytorch_res.png"]
+    assert not other.exists() or not any(other.iterdir()), list(other.iterdir())
+    assert "| 2 rank(s) on cpu (gloo) |" in logs[written.index(2)] and "epoch " not in logs[written.index(0)]
+
+
+def test_sigterm_to_torchrun_stops_the_job_instead_of_restarting_it(tmp_path):
+    """scancel or Kubernetes: SIGTERM to torchrun. Every worker stops after its files, rank 0 says which epoch's are
+    kept in one line, and torchrun does not restart the workers although it may."""
+    out, pids = tmp_path / "out", tmp_path / "pids"
+    pids.mkdir()
+    env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TEST_PIDS=str(pids))
+    run = start_torchrun(*standalone(*LONG, f"--output_dir={out}", restarts=2), env=env)
+    ranks = recorded_ranks(pids)
+    wait_for_rows(out, 1, run)
+    os.kill(run.pid, signal.SIGTERM)
+    log = run.communicate(timeout=HANG_TIMEOUT)[0]
+    assert run.returncode != 0, log  # torchrun reports the signal it got as a failure of its own
+    kept = checkpoint_epoch(out)
+    how = "a torchrun restart or requeue continues from them by itself, a new torchrun command with --resume True"
+    stopped = [line for line in log.splitlines() if line.startswith("stopped by")]
+    assert stopped == [f"stopped by SIGTERM: the files in {out} are from epoch {kept}; {how}"], log
+    assert kept >= 1 and csv_rows(out) == kept and not list(out.glob("*.tmp*"))
+    assert "resuming" not in log and log.count("epoch 1/20") == 1, "torchrun restarted the workers"
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "a worker outlived torchrun's stop"
+        time.sleep(0.05)
+
+
+def test_a_finished_run_started_again_under_torchrun_changes_nothing(tmp_path, reference_run):
+    reference, _, _ = reference_run
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    before = snapshot(out)
+    run = start_torchrun(*standalone(*ARGS, "--epochs=5", f"--output_dir={out}", "--resume=True", restarts=2), env=ENV)
+    log = run.communicate(timeout=HANG_TIMEOUT)[0]
+    assert run.returncode == 0, log
+    assert lines(log) == [f"already finished: all 5 epochs are in {out}; nothing to do"], log
+    assert snapshot(out) == before

@@ -1,0 +1,391 @@
+"""End to end: the training script with real ranks (2 gloo processes on the CPU) on tiny generated data, each test a
+promise of README's: what a run prints and writes, that it learns, that evaluation and steps do not depend on the
+world size, that a killed or stopped run resumes exactly, and that one run never harms another's files."""
+
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import distribute_tools
+import train_distribute
+from safeguards import files, settings
+from tests.conftest import (
+    HANG_TIMEOUT,
+    TINY,
+    alive,
+    call,
+    clean_env,
+    csv_rows,
+    image_folder_of_noise,
+    launch,
+    model_name,
+    recorded_ranks,
+    run_script,
+    snapshot,
+    wait_for_rows,
+    width,
+)
+
+COLUMNS = [
+    "epoch",
+    "loss",
+    "acc",
+    "test_loss",
+    "train_acc",
+    "lr",
+    "epoch_seconds",
+    "elapsed_seconds",
+    "images_per_second",
+    "peak_memory_mb",
+    "write_wait_seconds",
+]
+CLOCKS = {"epoch_seconds", "elapsed_seconds", "images_per_second", "peak_memory_mb", "write_wait_seconds"}
+NUMBERS = [c for c in COLUMNS if c not in CLOCKS]  # what a run computes: the same however it was interrupted
+REFERENCE = [*TINY, "--epochs=5"]  # the settings of the session's reference_run
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def checkpoint_epoch(folder: Path) -> int:
+    return int(torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"])
+
+
+def results(folder: Path) -> dict:
+    """Every file's bytes (the lock aside): what a refused start must leave as it was."""
+    return {name: data for name, (_, data) in snapshot(folder).items() if name != ".lock"}
+
+
+def copy_stopped_after(out: Path, folder: Path, epoch: int) -> dict:
+    """The reference run's files in `folder`, its checkpoint and CSV as if the run had stopped after `epoch`; returns
+    the checkpoint, for a test to change and save again."""
+    shutil.copytree(out, folder)
+    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
+    checkpoint.update(epoch=epoch, history=checkpoint["history"][:epoch])
+    torch.save(checkpoint, folder / "checkpoint.pt")
+    files.write_csv(checkpoint["history"], str(folder))
+    return checkpoint
+
+
+def kill_9(run, pids: Path) -> None:
+    """SIGKILL to the launcher and its ranks at once; returns when no rank is left (the lock is free again)."""
+    ranks = recorded_ranks(pids)
+    run.kill_session()
+    run.wait(60)
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "a rank outlived its launcher"
+        time.sleep(0.02)
+
+
+def assert_same_epochs(folder: Path, reference: Path) -> None:
+    """Every epoch exactly once, with the uninterrupted run's numbers (all but clocks and memory)."""
+    resumed, expected = pd.read_csv(folder / "pytorch_res.csv"), pd.read_csv(reference / "pytorch_res.csv")
+    assert resumed["epoch"].tolist() == expected["epoch"].tolist()
+    for column in NUMBERS:
+        assert resumed[column].tolist() == pytest.approx(expected[column].tolist(), rel=1e-5), column
+    assert resumed["elapsed_seconds"].is_monotonic_increasing  # the clock goes on from the checkpoint's
+    assert checkpoint_epoch(folder) == len(expected) and not list(folder.glob("*.tmp*"))
+
+
+# ----------------------------------------------------------------------------- one normal run, read many ways
+
+
+def test_two_ranks_write_one_row_per_epoch_and_learn(reference_run):
+    out, _, _ = reference_run
+    df = pd.read_csv(out / "pytorch_res.csv")
+    assert list(df.columns) == COLUMNS
+    assert df["epoch"].tolist() == [1, 2, 3, 4, 5]
+    assert df["acc"].iloc[-1] > 0.5, "10 classes: chance is 0.1"
+    assert df["loss"].iloc[-1] < df["loss"].iloc[0] and df["train_acc"].iloc[-1] > 0.5
+    assert (df["lr"] > 0).all() and (df["images_per_second"] > 0).all() and (df["peak_memory_mb"] > 0).all()
+    assert df["elapsed_seconds"].is_monotonic_increasing and (df["write_wait_seconds"] >= 0).all()
+
+
+def test_only_rank_0_prints_a_first_line_a_line_per_epoch_and_a_done_line(reference_run):
+    out, result, _ = reference_run
+    assert result.stderr == ""
+    first, *epochs, done = lines(result.stdout)
+    assert first.startswith(f"{model_name()}(") and "2 rank(s) on cpu (gloo)" in first
+    assert [line.split()[:2] for line in epochs] == [["epoch", f"{e}/5"] for e in range(1, 6)]
+    acc = pd.read_csv(out / "pytorch_res.csv")["acc"].iloc[-1]
+    assert done.startswith("done: 5 epochs;") and f"final acc {acc:.4f}" in done and str(out) in done
+
+
+def test_a_picture_of_the_curves_and_a_plain_checkpoint(reference_run):
+    out, _, _ = reference_run
+    png = out / "pytorch_res.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    checkpoint = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)  # tensors and plain values
+    assert set(checkpoint) == {"model", "optimizer", "history", "epoch", "config", "data", "run_ids"}
+    assert checkpoint["epoch"] == 5 and [row["epoch"] for row in checkpoint["history"]] == [1, 2, 3, 4, 5]
+    assert not any(name.startswith(("module.", "_orig_mod.")) for name in checkpoint["model"])
+    assert checkpoint["config"]["BATCH_SIZE"] == 48 and "state" in checkpoint["optimizer"]
+    assert checkpoint["data"]["classes"] == [f"class_{c}" for c in range(10)] and len(checkpoint["data"]["mean"]) == 3
+
+
+# ----------------------------------------------------------------------------- the world size changes nothing
+
+
+def evaluate_checkpoint(world_size: int, answer: str, *argv: str) -> int:
+    """Called in a process forked from the test server (conftest.call): `world_size` ranks, started by torch's elastic
+    agent as a run's are, evaluate the checkpoint in OUTPUT_DIR; rank 0 writes the loss and accuracy to `answer`."""
+    distribute_tools.run_distribute(_evaluate_rank, world_size, list(argv), answer)
+    return 0
+
+
+def _evaluate_rank(argv: list[str], answer: str) -> None:
+    cfg = settings.read(train_distribute, argv)
+    info = distribute_tools.setup(60)
+    run = train_distribute.build_run(cfg, info)
+    run.model.load_state_dict(files.load_checkpoint(cfg.OUTPUT_DIR)["model"])
+    loss, acc = train_distribute.evaluate(run)
+    if info.is_main:
+        Path(answer).write_text(json.dumps({"loss": loss, "acc": acc}))
+    distribute_tools.cleanup()
+
+
+def test_evaluation_is_exact_and_independent_of_the_world_size(reference_run, tmp_path):
+    """The same weights at world size 1 and 2: every test image exactly once either way, so the same accuracy; and
+    the checkpoint holds what the run evaluated with, so its last accuracy comes back exactly."""
+    out, _, _ = reference_run
+    found = []
+    for world_size in (1, 2):
+        answer = tmp_path / f"ws{world_size}.json"
+        result = call(f"{__name__}:evaluate_checkpoint", world_size, str(answer), *TINY, f"--output_dir={out}")
+        assert result.returncode == 0, result.stderr
+        found.append(json.loads(answer.read_text()))
+    assert found[0]["acc"] == found[1]["acc"] == pd.read_csv(out / "pytorch_res.csv")["acc"].iloc[-1]
+    assert found[0]["loss"] == pytest.approx(found[1]["loss"], rel=1e-5)
+
+
+class WithoutBatchNorm(nn.Module):
+    """A small network whose output for an image does not depend on the other images of its batch (no BatchNorm):
+    how a batch is split over ranks and micro-batches then cannot change a step beyond float rounding."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU()
+        )
+        self.head = nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def train_without_batchnorm(*argv: str) -> int:
+    """Called in a process forked from the test server: `python train_distribute.py *argv` with make_model swapped
+    for a network without BatchNorm (README's "another network"); its ranks are forked from here and inherit it."""
+    train_distribute.make_model = lambda cfg, num_classes: WithoutBatchNorm(num_classes)
+    return train_distribute.main(list(argv), entrypoint=train_distribute.main)
+
+
+@pytest.fixture(scope="module")
+def without_batchnorm(tmp_path_factory) -> dict[str, pd.DataFrame]:
+    """The same run without BatchNorm and without randomness between ranks: on 1 rank, on 2, and on 2 in 2
+    micro-batches each; their CSVs."""
+    tmp = tmp_path_factory.mktemp("without-batchnorm")
+    common = [*TINY, "--epochs=2", "--augment=False", "--amp=False"]
+    variants = {"1 rank": ["--world_size=1"], "2 ranks": [], "2 ranks, accumulate 2": ["--accumulate=2"]}
+    runs = {
+        name: launch(*common, *extra, f"--output_dir={tmp / str(n)}", call=f"{__name__}:train_without_batchnorm")
+        for n, (name, extra) in enumerate(variants.items())
+    }
+    for name, run in runs.items():
+        _, err = run.communicate(timeout=HANG_TIMEOUT)
+        assert run.returncode == 0, f"{name}: {err}"
+    return {name: pd.read_csv(tmp / str(n) / "pytorch_res.csv") for n, name in enumerate(variants)}
+
+
+def assert_same_numbers(run: pd.DataFrame, reference: pd.DataFrame) -> None:
+    for column in NUMBERS:
+        assert run[column].tolist() == pytest.approx(reference[column].tolist(), rel=1e-4), column
+
+
+def test_two_ranks_step_like_one_rank_on_the_whole_batch(without_batchnorm):
+    """Sharding and gradient averaging: each step of 24 images on each of 2 ranks is the step of the same 48 images
+    on 1 rank, so the runs' losses and accuracies agree (float rounding: the sums run in another order)."""
+    assert_same_numbers(without_batchnorm["2 ranks"], without_batchnorm["1 rank"])
+
+
+def test_accumulation_steps_like_the_whole_share(without_batchnorm):
+    """ACCUMULATE=2: each rank's 24 images in 2 micro-batches of 12 with one all-reduce, the same step as 24 at once."""
+    assert_same_numbers(without_batchnorm["2 ranks, accumulate 2"], without_batchnorm["2 ranks"])
+
+
+def test_world_size_1_follows_the_same_lr_and_moves_old_results_aside(reference_run, tmp_path):
+    """The LR follows the global batch, not the world size. The reference run's files move to previous-<time>/, and
+    an earlier folder of that name is never overwritten."""
+    out, _, _ = reference_run
+    folder = tmp_path / "out"
+    shutil.copytree(out, folder)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((folder / "pytorch_res.csv").stat().st_mtime))
+    (folder / f"previous-{stamp}").mkdir()
+    (folder / f"previous-{stamp}" / "pytorch_res.csv").write_text("an even earlier run's")
+    result = run_script(*REFERENCE, "--world_size=1", f"--output_dir={folder}")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert "1 rank(s) on cpu (gloo)" in result.stdout
+    lr = pd.read_csv(folder / "pytorch_res.csv")["lr"].tolist()
+    assert lr == pytest.approx(pd.read_csv(out / "pytorch_res.csv")["lr"].tolist(), rel=1e-12)
+    moved = folder / f"previous-{stamp}-2"
+    assert f"moved the earlier run's results in {folder} to {moved}" in result.stdout
+    assert (moved / "pytorch_res.csv").read_bytes() == (out / "pytorch_res.csv").read_bytes()
+    assert (moved / "checkpoint.pt").read_bytes() == (out / "checkpoint.pt").read_bytes()
+    assert (moved / "pytorch_res.png").exists()
+    assert (folder / f"previous-{stamp}" / "pytorch_res.csv").read_text() == "an even earlier run's"
+
+
+# ----------------------------------------------------------------------------- kill -9, Ctrl-C, and resume
+
+
+def test_kill_9_then_resume_gives_every_epoch_once_and_the_same_numbers(reference_run, tmp_path):
+    out, _, _ = reference_run
+    folder, pids = tmp_path / "out", tmp_path / "pids"
+    pids.mkdir()
+    run = launch(*REFERENCE, f"--output_dir={folder}", env=clean_env(TEST_PIDS=str(pids)))
+    wait_for_rows(folder, 2, run)
+    kill_9(run, pids)  # the whole run, launcher and ranks, at whatever moment
+    done = checkpoint_epoch(folder)
+    assert done >= 2
+    result = run_script(*REFERENCE, f"--output_dir={folder}", "--resume=True")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert f"resuming after epoch {done} of 5" in result.stdout and "done: 5 epochs" in result.stdout
+    assert_same_epochs(folder, out)
+    assert not list(folder.glob("previous-*")), "the resumed run moved its own results aside"
+
+
+def test_kill_9_during_a_background_write_loses_only_that_epoch(tmp_path):
+    folder, marker, pids = tmp_path / "out", tmp_path / "writing", tmp_path / "pids"
+    pids.mkdir()
+    env = clean_env(TEST_SLOW_EPOCH="2", TEST_MARKER=str(marker), TEST_PIDS=str(pids))
+    run = launch(*REFERENCE, f"--output_dir={folder}", env=env)
+    deadline = time.monotonic() + HANG_TIMEOUT
+    while not marker.exists():  # epoch 2's files are being written, in the background
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.02)
+    kill_9(run, pids)
+    assert checkpoint_epoch(folder) == 1 and csv_rows(folder) == 1  # epoch 1's files, whole
+    assert (folder / "pytorch_res.png").stat().st_size > 0
+
+
+def test_ctrl_c_during_a_background_write_finishes_the_files_first(tmp_path):
+    folder, marker = tmp_path / "out", tmp_path / "writing"
+    env = clean_env(TEST_SLOW_EPOCH="2", TEST_MARKER=str(marker))
+    run = launch(*REFERENCE, f"--output_dir={folder}", env=env)
+    deadline = time.monotonic() + HANG_TIMEOUT
+    while not marker.exists():
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.02)
+    os.kill(run.pid, signal.SIGINT)  # to the launcher, which passes it on to the ranks
+    _, err = run.communicate(timeout=HANG_TIMEOUT)
+    assert run.returncode == 130, err
+    assert lines(err) == [f"interrupted: the files in {folder} are from epoch 2: continue with --resume True"]
+    assert checkpoint_epoch(folder) == 2 and csv_rows(folder) == 2 and not list(folder.glob("*.tmp*"))
+    assert (folder / "pytorch_res.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("how", ["resume", "restart"])
+def test_a_finished_run_started_again_changes_nothing_and_exits_0(reference_run, tmp_path, how):
+    """--resume True, or a restart with the same settings (a requeued SLURM job): one line, nothing changed."""
+    out, _, _ = reference_run
+    folder = tmp_path / "out"
+    shutil.copytree(out, folder)
+    before = snapshot(folder)
+    if how == "resume":
+        result = run_script(*REFERENCE, f"--output_dir={folder}", "--resume=True")
+    else:
+        result = run_script(*REFERENCE, f"--output_dir={folder}", env=clean_env(SLURM_RESTART_COUNT="1"))
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert lines(result.stdout) == [f"already finished: all 5 epochs are in {folder}; nothing to do"]
+    assert snapshot(folder) == before
+
+
+def test_one_run_per_output_folder(tmp_path):
+    """A second run into a folder that a running one holds is refused in one line, and the first goes on unharmed."""
+    folder = tmp_path / "out"
+    first = launch(*TINY, "--epochs=3", f"--output_dir={folder}")
+    wait_for_rows(folder, 1, first)
+    second = run_script(*TINY, "--epochs=1", "--seed=1", f"--output_dir={folder}")
+    assert second.returncode == 2 and second.stdout == "", second.stdout
+    assert lines(second.stderr) == [
+        f"error: OUTPUT_DIR {folder} is in use by another run; wait for it to end or choose another"
+    ]
+    out, err = first.communicate(timeout=HANG_TIMEOUT)
+    assert first.returncode == 0 and err == "" and "done: 3 epochs" in out, err
+    assert pd.read_csv(folder / "pytorch_res.csv")["epoch"].tolist() == [1, 2, 3]
+    assert not list(folder.glob("previous-*")), "the second run moved the first one's files"
+
+
+# ----------------------------------------------------------------------------- failures: one line, last files kept
+
+
+def test_a_failed_write_ends_the_run_in_one_line_naming_the_fix_and_the_kept_epoch(tmp_path):
+    folder = tmp_path / "out"
+    result = run_script(*TINY, "--epochs=3", f"--output_dir={folder}", env=clean_env(TEST_FAIL_EPOCH="2"))
+    assert result.returncode == 2, result.stderr
+    assert lines(result.stderr) == [
+        f"error: could not write {folder}/checkpoint.pt (No space left on device); free space or choose another "
+        f"--output_dir, then continue with --resume True (the checkpoint of epoch 1 is kept)"
+    ]
+    assert checkpoint_epoch(folder) == 1 and csv_rows(folder) == 1 and (folder / "pytorch_res.png").exists()
+
+
+def test_a_non_finite_loss_stops_every_rank_in_one_line_and_keeps_the_last_good_checkpoint(reference_run, tmp_path):
+    folder = tmp_path / "out"
+    checkpoint = copy_stopped_after(reference_run[0], folder, epoch=2)
+    weights = next(t for t in checkpoint["model"].values() if t.is_floating_point())
+    weights.view(-1)[0] = math.nan  # weights gone bad: epoch 3 cannot have a finite loss
+    torch.save(checkpoint, folder / "checkpoint.pt")
+    saved = (folder / "checkpoint.pt").read_bytes()
+    result = run_script(*REFERENCE, f"--output_dir={folder}", "--resume=True")
+    assert result.returncode == 2, result.stderr
+    assert lines(result.stderr) == [
+        "error: the training loss became nan in epoch 3; lower --lr (now 0.4); the files in "
+        f"{folder} are from epoch 2: continue with --resume True"
+    ]
+    assert (folder / "checkpoint.pt").read_bytes() == saved and csv_rows(folder) == 2
+
+
+def test_a_resume_with_changed_settings_is_refused_in_one_line(reference_run, tmp_path):
+    folder = tmp_path / "out"
+    copy_stopped_after(reference_run[0], folder, epoch=2)
+    before = results(folder)
+    result = run_script(*REFERENCE, "--lr=0.1", f"--output_dir={folder}", "--resume=True")
+    assert result.returncode == 2 and result.stdout == ""
+    assert lines(result.stderr) == [
+        "error: RESUME=True but LR=0.1 differs from the checkpoint's 0.4; resume with --lr 0.4, or start a new run"
+    ]
+    assert results(folder) == before
+
+
+def test_a_resume_on_other_images_of_the_same_count_and_classes_is_refused(tmp_path):
+    """An image folder is known by its files' names, classes and byte sizes: one file grown by a byte is other data."""
+    images, folder = tmp_path / "images", tmp_path / "out"
+    image_folder_of_noise(images, train=16, test=4, size=8)
+    args = ["--dataset=imagefolder", f"--data_dir={images}", "--image_size=8", *width(4), "--batch_size=8"]
+    first = run_script(*args, "--epochs=2", f"--output_dir={folder}")
+    assert first.returncode == 0, first.stderr
+    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)  # as if stopped after epoch 1 of 2
+    checkpoint.update(epoch=1, history=checkpoint["history"][:1])
+    torch.save(checkpoint, folder / "checkpoint.pt")
+    before = results(folder)
+    changed = images / "train" / "a" / "0000.png"
+    changed.write_bytes(changed.read_bytes() + b"\0")  # still an image, of another size in bytes
+    second = run_script(*args, "--epochs=2", f"--output_dir={folder}", "--resume=True")
+    assert second.returncode == 2, second.stderr
+    assert len(lines(second.stderr)) == 1 and second.stderr.startswith(
+        f"error: the checkpoint in {folder} was trained on other data ("
+    )
+    assert "resume on the same data, or start a new run without --resume" in second.stderr
+    assert results(folder) == before
