@@ -203,10 +203,8 @@ def decode(path: str, size: int) -> np.ndarray:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a warning never makes an image unreadable (PYTHONWARNINGS=error)
         with Image.open(path) as image:
-            if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
-                image = Image.fromarray(
-                    (np.asarray(image).astype(np.float64).clip(0, 65535) / 257).round().astype(np.uint8)
-                )
+            if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):  # 0..65535 -> 0..255
+                image = Image.fromarray((np.asarray(image, np.float64).clip(0, 65535) / 257).round().astype(np.uint8))
             elif image.mode in ("P", "PA"):
                 image = image.convert("RGBA")
             image = image.convert("RGB")
@@ -237,16 +235,11 @@ class ImageFiles(Dataset):
         return f"{len(names)} of {len(self):,} images cannot be read: {', '.join(names[:3])}{more}"
 
 
-def reader(
-    files: ImageFiles, batch_size: int, sampler: Any, workers: int, device: torch.device, **options: Any
-) -> DataLoader:
+def reader(files: ImageFiles, batch_size: int, sampler: Any, workers: int, pin: bool, **options: Any) -> DataLoader:
     """Batches of `files` in the order of `sampler`, decoded by `workers` forked processes a few batches ahead, pinned
     for GPUs; workers=0 decodes in this process (where a debugger reaches it)."""
-    return DataLoader(
-        files, batch_size, sampler=sampler, num_workers=workers, pin_memory=device.type == "cuda",
-        worker_init_fn=quiet_worker, multiprocessing_context="fork" if workers else None,
-        prefetch_factor=4 if workers else None, **options,
-    )  # fmt: skip
+    parallel = {"multiprocessing_context": "fork", "prefetch_factor": 4} if workers else {}
+    return DataLoader(files, batch_size, sampler=sampler, num_workers=workers, pin_memory=pin, **parallel, **options)
 
 
 def quiet_worker(worker_id: int) -> None:
@@ -259,7 +252,7 @@ def quiet_worker(worker_id: int) -> None:
 
 def decode_all(files: ImageFiles, workers: int, indices: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The images at `indices`, uint8 NHWC, and their labels; an unreadable one is one line on every rank alike."""
-    batches = list(reader(files, 256, list(indices), workers, torch.device("cpu")))
+    batches = list(reader(files, 256, list(indices), workers, False, worker_init_fn=quiet_worker))
     bad = [i for _, _, marks in batches for i in marks.tolist() if i >= 0]
     if bad:
         raise UserError(f"{files.unreadable(bad)}; delete or replace them and rerun")
@@ -268,11 +261,11 @@ def decode_all(files: ImageFiles, workers: int, indices: Any) -> tuple[torch.Ten
 
 def channel_statistics(pixels: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel mean and standard deviation of uint8 NHWC images, in 0..1 units (summed in chunks, in float64)."""
-    chunks = [chunk.reshape(-1, 3).double() / 255 for chunk in pixels.split(1024)]
-    count = sum(len(x) for x in chunks)
-    mean = sum(x.sum(0) for x in chunks) / count
-    variance = sum((x * x).sum(0) for x in chunks) / count - mean**2
-    return tuple(mean.tolist()), tuple(variance.clamp(min=1e-12).sqrt().tolist())
+    sums = sum(
+        torch.stack([x.sum(0), (x * x).sum(0)]) for x in (c.reshape(-1, 3).double() / 255 for c in pixels.split(1024))
+    )
+    mean, squares = sums / (pixels.numel() // 3)
+    return tuple(mean.tolist()), tuple((squares - mean**2).clamp(min=1e-12).sqrt().tolist())
 
 
 # ----------------------------------------------------------------------------- the loaders
@@ -281,9 +274,7 @@ def channel_statistics(pixels: torch.Tensor) -> tuple[tuple[float, ...], tuple[f
 class Loader:
     """What both loaders do on the device: crops and flips for training, normalisation, the model's memory format."""
 
-    def __init__(
-        self, augment: bool, mean: tuple, std: tuple, device: torch.device, memory_format: torch.memory_format
-    ) -> None:
+    def __init__(self, augment: bool, mean: tuple, std: tuple, device: torch.device, memory_format: Any) -> None:
         self.augment, self.device, self.memory_format = augment, device, memory_format
         self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
@@ -322,9 +313,8 @@ class MemoryLoader(Loader):
 
     def eval_batches(self, world_size: int, rank: int) -> Any:
         """This rank's contiguous part of the split: over all ranks every image exactly once."""
-        for batch in torch.tensor_split(torch.arange(len(self), device=self.device), world_size)[rank].split(
-            EVAL_BATCH
-        ):
+        part = torch.tensor_split(torch.arange(len(self), device=self.device), world_size)[rank]
+        for batch in part.split(EVAL_BATCH):
             yield self.prepare(self.pixels[batch]), self.labels[batch]
 
 
@@ -343,16 +333,19 @@ class StreamLoader(Loader):
     def train_batches(self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int) -> Any:
         if "train" not in self.readers:  # DDP: each rank's shard of one shuffle; drop_last: every rank as many steps
             sampler = DistributedSampler(self.files, world_size, rank, shuffle=True, seed=seed, drop_last=True)
-            self.readers["train"] = reader(self.files, global_batch // world_size, sampler, self.workers, self.device,
-                                           drop_last=True, persistent_workers=self.workers > 0)  # fmt: skip
+            self.readers["train"] = self.reader(global_batch // world_size, sampler, drop_last=True)
         self.readers["train"].sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same on every rank
         yield from self._batches(self.readers["train"], self.augmentation(seed, epoch, rank))
 
     def eval_batches(self, world_size: int, rank: int) -> Any:
         if "eval" not in self.readers:  # no sampler: no image is padded in or left out
             part = torch.tensor_split(torch.arange(len(self)), world_size)[rank].tolist()
-            self.readers["eval"] = reader(self.files, EVAL_BATCH // 2, part, self.workers, self.device)
+            self.readers["eval"] = self.reader(EVAL_BATCH // 2, part, persistent_workers=False)
         yield from self._batches(self.readers["eval"], None)
+
+    def reader(self, batch_size: int, sampler: Any, **options: Any) -> DataLoader:
+        options = {"persistent_workers": self.workers > 0, "worker_init_fn": quiet_worker, **options}
+        return reader(self.files, batch_size, sampler, self.workers, self.device.type == "cuda", **options)
 
     def _batches(self, batches: DataLoader, generator: torch.Generator | None) -> Any:
         bad: list[int] = []

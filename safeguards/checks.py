@@ -82,8 +82,8 @@ def gpus_usable() -> int:
         return 0
     if any(line.startswith("GPU ") for line in listing.splitlines()):
         raise UserError(
-            f"nvidia-smi shows GPUs but torch {torch.__version__} cannot use them; install a torch build for this driver "
-            f"(pytorch.org), or train on the CPU on purpose: CUDA_VISIBLE_DEVICES= python train_distribute.py"
+            f"nvidia-smi shows GPUs but torch {torch.__version__} cannot use them; install a torch build for this "
+            f"driver (pytorch.org), or train on the CPU on purpose: CUDA_VISIBLE_DEVICES= python train_distribute.py"
         )
     return 0
 

@@ -1,10 +1,10 @@
-"""How a run ends: stop signals, and the one place that turns a failure into its line and exit code.
+"""How a run ends: stop signals, and the one place (`outcome`) that turns a failure into its line and exit code.
 
     0 finished    2 a mistake the user can fix (one line)    75 stopped by SIGTERM or SIGUSR1 (resumable)
     130 Ctrl-C    1 anything else: a rank failed or was killed
 
-Started by `python train_distribute.py`, a rank writes its line into the file torch's elastic agent reads
-(TORCHELASTIC_ERROR_FILE) and the launcher prints the line of the run; under torchrun, the rank prints it.
+Started by `python train_distribute.py`, a rank hands its line to the launcher in the file torch's elastic agent reads
+(TORCHELASTIC_ERROR_FILE), and the launcher prints the run's; under torchrun, the rank prints it.
 """
 
 import contextlib
@@ -19,13 +19,13 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch.distributed
+import torch.distributed as dist
 
 EXIT_MISTAKE, EXIT_STOPPED, EXIT_INTERRUPTED = 2, 75, 130
 EXIT_PEER_LOST = 3  # a rank that only lost a peer: the launcher names the rank that failed first (the run exits 1)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 LAUNCHER_PID = "RESNET_DDP_LAUNCHER_PID"  # set by our launcher for its ranks; absent under torchrun
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo, when a peer is gone
 NOTHING_KEPT = "it stopped before any epoch finished; nothing to resume: start the run again"
 
 
@@ -36,10 +36,6 @@ class UserError(Exception):
 
 class Stopped(BaseException):
     """A stop signal reached this process: the run ends, its files finished first, and can resume later."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 _received: list[int] = []  # the stop signal this process got, if any
@@ -56,12 +52,12 @@ def kept_files() -> str:
 
 def handle_stop_signals() -> None:
     """From here on the first stop signal raises Stopped; a later one changes nothing (the files are being finished).
-    A signal held back until now (see ranks_start_with_stops_held) arrives here."""
+    A signal held back until now (ranks_start_with_stops_held) arrives here."""
 
     def on_signal(signum: int, frame: object) -> None:
         if not _received:
             _received.append(signum)
-            raise Stopped(signum)
+            raise Stopped(signal.Signals(signum).name)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
@@ -92,9 +88,23 @@ def guard_parent() -> None:
     it SIGKILL when its parent dies. A launcher already gone: leave now."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    launcher = os.environ.get(LAUNCHER_PID)
-    if launcher and os.getppid() != int(launcher):
+    if os.environ.get(LAUNCHER_PID, str(os.getppid())) != str(os.getppid()):
         os._exit(EXIT_STOPPED)
+
+
+def all_ranks_try(action: Callable[[], Any] | None) -> Any:
+    """DDP: every rank calls it. The ranks given an `action` run it (rank 0 alone, say); a UserError on any of them is
+    raised on every rank, so that all stop together. Returns this rank's result."""
+    result, error = None, None
+    try:
+        result = action() if action else None
+    except UserError as e:
+        error = str(e)
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # every rank's error or None
+    if any(errors):
+        raise UserError(next(e for e in errors if e))
+    return result
 
 
 # ----------------------------------------------------------------------------- the one place for lines and codes
@@ -112,8 +122,6 @@ def run_rank(body: Callable[[], None]) -> int:
         ignore_stop_signals()
         code, line = outcome(error)
         _say(code, line)
-        sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(code)
 
 
@@ -125,7 +133,7 @@ def run_launcher(body: Callable[[], None]) -> int:
         return 0
     except BaseException as error:
         code, line = outcome(error)
-        print(line, file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True) if line else None
         return code
     finally:
         ignore_stop_signals()  # a late Ctrl-C cannot turn a finished run into an interrupted one
@@ -136,33 +144,31 @@ def outcome(error: BaseException) -> tuple[int, str]:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    if isinstance(error, SystemExit):
-        return (error.code if isinstance(error.code, int) else int(error.code is not None)), ""
-    stop = (
-        signal.SIGINT
-        if isinstance(error, KeyboardInterrupt)
-        else error.sigval
-        if isinstance(error, SignalException)
-        else None
-    )
-    stop = _received[0] if _received else stop
+    if isinstance(error, SystemExit):  # --help, say
+        return error.code if isinstance(error.code, int) else 0, ""
+    if isinstance(error, ChildFailedError):  # the launcher: the rank that failed first, not one that lost its peer
+        rank, failure = min(error.failures.items(), key=lambda it: (it[1].exitcode == EXIT_PEER_LOST, it[1].timestamp))
+        if failure.exitcode in (EXIT_MISTAKE, EXIT_STOPPED, EXIT_INTERRUPTED):  # the ranks were told it
+            _received.extend([signal.SIGTERM] if failure.exitcode == EXIT_STOPPED else [])
+            error = KeyboardInterrupt() if failure.exitcode == EXIT_INTERRUPTED else UserError(failure.message[7:])
+        else:
+            how = (
+                f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with {failure.exitcode}"
+            )
+            how += " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if failure.exitcode == -9 else ""
+            said = failure.message if failure.message.startswith("error: ") else f"error: rank {rank} {how}"
+            return 1, f"{said}; stopped the other ranks; {kept_files()}"
+    stop = _received[0] if _received else error.sigval if isinstance(error, SignalException) else None
+    stop = signal.SIGINT if isinstance(error, KeyboardInterrupt) else stop
     if stop is not None:
         word = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
         return (EXIT_INTERRUPTED if stop == signal.SIGINT else EXIT_STOPPED), f"{word}: {kept_files()}"
-    if isinstance(error, ChildFailedError):  # the launcher: the rank that failed first, not one that lost its peer
-        rank, failure = min(error.failures.items(), key=lambda it: (it[1].exitcode == EXIT_PEER_LOST, it[1].timestamp))
-        if failure.exitcode in (EXIT_STOPPED, EXIT_INTERRUPTED):  # the ranks were signalled, not the launcher
-            _received.append(signal.SIGINT if failure.exitcode == EXIT_INTERRUPTED else signal.SIGTERM)
-            return outcome(error)
-        if failure.exitcode == EXIT_MISTAKE:
-            return EXIT_MISTAKE, failure.message
-        how = (
-            f"exited with code {failure.exitcode}" if failure.exitcode > 0 else f"was killed by {failure.signal_name()}"
+    if isinstance(error, RuntimeError) and "find_unused_parameters=True" in str(error):  # DDP's, as one line
+        unused = str(error).rpartition("did not receive grad for ")[2].split("\n")[0].strip()
+        error = UserError(
+            f"the network has parameters that no training step uses ({unused}); pass find_unused_parameters=True to "
+            f"DistributedDataParallel in build_run, or leave them out"
         )
-        hint = " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if failure.exitcode == -signal.SIGKILL else ""
-        said = failure.message if failure.message.startswith("error: ") else f"error: rank {rank} {how}{hint}"
-        return 1, f"{said}; stopped the other ranks; {kept_files()}"
-    error = _as_user_error(error)
     if isinstance(error, UserError):
         return EXIT_MISTAKE, f"error: {error}"
     rank = os.environ.get("RANK", "0")
@@ -177,17 +183,18 @@ def outcome(error: BaseException) -> tuple[int, str]:
 def _say(code: int, line: str) -> None:
     """Under our launcher the line goes to the launcher, which prints the run's; under torchrun this rank prints it
     where it is the one to: rank 0 for a stop (it holds the files), each machine's local rank 0 for a mistake."""
+    sys.stdout.flush()
     if os.environ.get(LAUNCHER_PID):
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
             json.dump({"message": line, "timestamp": int(time.time())}, f)
         return
-    first = {EXIT_STOPPED: "RANK", EXIT_INTERRUPTED: "RANK", EXIT_MISTAKE: "LOCAL_RANK"}.get(code)
-    if line and (first is None or os.environ.get(first) == "0"):
+    speaker = {EXIT_STOPPED: "RANK", EXIT_INTERRUPTED: "RANK", EXIT_MISTAKE: "LOCAL_RANK"}.get(code)
+    if speaker is None or os.environ.get(speaker) == "0":
         print(line, file=sys.stderr, flush=True)
-    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
         os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
     )
-    if code == EXIT_MISTAKE and restarts_left > 0:  # a mistake fails again after a restart: ask torchrun to stop
+    if code == EXIT_MISTAKE and restarts > 0:  # a mistake fails again after a restart: ask torchrun to stop
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM ends every worker; none leaves first
         for _ in range(5):  # again each second: a signal that lands while torchrun forks a worker is dropped
             if os.environ.get("LOCAL_RANK") == "0":
@@ -195,34 +202,5 @@ def _say(code: int, line: str) -> None:
             time.sleep(1)
 
 
-def _as_user_error(error: BaseException) -> BaseException:
-    """DDP's error for a network with parameters that no step uses, as the one line it deserves."""
-    if not (isinstance(error, RuntimeError) and "find_unused_parameters=True" in str(error)):
-        return error
-    unused = str(error).rpartition("did not receive grad for ")[2].split("\n")[0].strip()
-    return UserError(
-        f"the network has parameters that no training step uses ({unused or 'see TORCH_DISTRIBUTED_DEBUG=DETAIL'}); "
-        f"pass find_unused_parameters=True to DistributedDataParallel in build_run, or leave them out"
-    )
-
-
 def first_line(error: BaseException, limit: int = 160) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
-
-
-def all_ranks_try(action: Callable[[], Any] | None) -> Any:
-    """DDP: every rank calls it. The ranks given an `action` run it (rank 0 alone, say); a UserError on any of them is
-    raised on every rank, so that all stop together. Returns this rank's result."""
-    result, error = None, None
-    try:
-        result = action() if action else None
-    except UserError as e:
-        error = str(e)
-    errors: list[str | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(
-        errors, error
-    )  # every rank's error or None, read on the host: a barrier on NCCL too
-    first = next((e for e in errors if e), None)
-    if first:
-        raise UserError(first)
-    return result

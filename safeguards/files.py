@@ -46,10 +46,8 @@ class ResultWriter:
 
     def submit(self, checkpoint: dict[str, Any], history: list[dict]) -> None:
         """Hand over one epoch's files; the checkpoint is copied to the CPU now (training goes on changing it)."""
-        snapshot = cpu_copy(checkpoint)
-        ready = torch.cuda.Event() if torch.cuda.is_initialized() else None
-        if ready is not None:
-            ready.record()  # the copies from the GPU are queued behind the epoch's kernels
+        snapshot, ready = cpu_copy(checkpoint), torch.cuda.Event() if torch.cuda.is_initialized() else None
+        ready.record() if ready else None  # the copies from the GPU are queued behind the epoch's kernels
         self.pending = self.pool.submit(self._write, snapshot, list(history), ready)
 
     def close(self) -> None:
@@ -62,8 +60,7 @@ class ResultWriter:
             self.pool.shutdown()
 
     def _write(self, snapshot: dict[str, Any], history: list[dict], ready: Any) -> None:
-        if ready is not None:
-            ready.synchronize()
+        ready.synchronize() if ready else None
         write_atomically(os.path.join(self.output_dir, CHECKPOINT_NAME), lambda tmp: torch.save(snapshot, tmp))
         write_csv(history, self.output_dir)  # after the checkpoint: the CSV can always be rebuilt from it
         self.saved = history
@@ -78,7 +75,7 @@ def write_failure(error: Exception, output_dir: str) -> str:
     where = getattr(error, "filename", None) or f"the files in {output_dir}"
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]  # torch.save reports it without its cause
     if getattr(error, "errno", None) == errno.EFBIG or (
-        not isinstance(error, OSError) and limit != resource.RLIM_INFINITY
+        limit != resource.RLIM_INFINITY and not isinstance(error, OSError)
     ):
         reason, fix = f"the file size limit, ulimit -f, is {limit // 1024} KB", "raise it (ulimit -f unlimited)"
     elif isinstance(error, OSError) and error.strerror:
@@ -116,8 +113,7 @@ def write_atomically(path: str, write: Callable[[str], None]) -> None:
 
 def load_checkpoint(output_dir: str) -> dict[str, Any]:
     """Tensors and plain Python values only, on the CPU; tensors read from the file when first used (mmap)."""
-    path = os.path.join(output_dir, CHECKPOINT_NAME)
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return torch.load(os.path.join(output_dir, CHECKPOINT_NAME), map_location="cpu", weights_only=True, mmap=True)
 
 
 def checkpoint_epoch(output_dir: str) -> int:
@@ -129,29 +125,28 @@ def checkpoint_epoch(output_dir: str) -> int:
 
 
 def write_csv(history: list[dict], output_dir: str) -> None:
-    path = os.path.join(output_dir, CSV_NAME)
-    write_atomically(path, lambda tmp: pd.DataFrame(history).to_csv(tmp, index=False))
+    write_atomically(os.path.join(output_dir, CSV_NAME), lambda tmp: pd.DataFrame(history).to_csv(tmp, index=False))
+
+
+PANELS = [  # the picture: (title, y label, [(column, scale, style, label)])
+    ("Loss", "cross-entropy", [("loss", 1, "o-", "train loss (label-smoothed)"), ("test_loss", 1, "s-", "test loss")]),
+    ("Accuracy", "accuracy (%)", [("acc", 100, "o-", "test"), ("train_acc", 100, "--", "train")]),
+    ("Learning rate (at epoch end)", "learning rate", [("lr", 1, "o-", None)]),
+]
 
 
 def plot(history: list[dict], output_dir: str) -> None:
     """Loss, accuracy and learning rate against epoch, as a PNG (matplotlib's Figure: no display, no global state)."""
     from matplotlib.figure import Figure
 
-    rows = pd.DataFrame(history)
-    figure = Figure(figsize=(13, 3.8))
-    loss, acc, lr = figure.subplots(1, 3)
-    loss.plot(rows.epoch, rows.loss, "o-", label="train loss (label-smoothed)")
-    loss.plot(rows.epoch, rows.test_loss, "s-", label="test loss")
-    acc.plot(rows.epoch, 100 * rows.acc, "o-", color="tab:green", label="test")
-    acc.plot(rows.epoch, 100 * rows.train_acc, "--", color="tab:olive", label="train")
-    lr.plot(rows.epoch, rows.lr, "o-", color="tab:purple")
-    loss.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
-    acc.set(title=f"Accuracy (best test {100 * rows.acc.max():.2f}%)", xlabel="epoch", ylabel="accuracy (%)")
-    lr.set(title="Learning rate (at epoch end)", xlabel="epoch", ylabel="learning rate")
-    for ax in (loss, acc, lr):
+    rows, figure = pd.DataFrame(history), Figure(figsize=(13, 3.8))
+    for ax, (title, ylabel, curves) in zip(figure.subplots(1, 3), PANELS, strict=True):
+        for column, scale, style, label in curves:
+            ax.plot(rows.epoch, scale * rows[column], style, label=label)
+        best = f" (best test {100 * rows.acc.max():.2f}%)" if title == "Accuracy" else ""
+        ax.set(title=title + best, xlabel="epoch", ylabel=ylabel)
         ax.grid(alpha=0.3)
-    loss.legend()
-    acc.legend()
+        ax.legend() if curves[0][3] else None
     figure.subplots_adjust(left=0.05, right=0.99, bottom=0.14, top=0.91, wspace=0.22)
     write_atomically(os.path.join(output_dir, PLOT_NAME), lambda tmp: figure.savefig(tmp, dpi=110, format="png"))
 

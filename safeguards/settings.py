@@ -4,9 +4,8 @@ and one line for a value of the wrong type or out of range (in the file or on th
 
 import argparse
 import difflib
-import io
 import math
-import tokenize
+import re
 import typing
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -15,62 +14,39 @@ from safeguards.failures import UserError
 
 # Settings that may differ between a run and its resumption: where files are, how it is launched and on what
 # hardware, how it evaluates or reports. Every other setting shapes the run, so a new one is checked on resume.
-FREE_ON_RESUME = set(
-    "DATA_DIR OUTPUT_DIR RESUME WORLD_SIZE AMP COMPILE SYNC_BN ACCUMULATE BF16_ALLREDUCE TTA COLLECTIVE_TIMEOUT "
-    "LOADER NUM_WORKERS".split()
-)
-# Allowed ranges (lowest, highest), None where open.
-LIMITS = {
-    "EPOCHS": (1, None),
-    "BATCH_SIZE": (1, None),
-    "IMAGE_SIZE": (8, None),
-    "SYNTHETIC_SIZE": (1, None),
-    "NUM_WORKERS": (-1, None),
-    "ACCUMULATE": (1, None),
-    "COLLECTIVE_TIMEOUT": (1, None),
-    "WARMUP": (0, 1),
-    "LABEL_SMOOTHING": (0, 0.99),
-    "MOMENTUM": (0, 0.999),
-    "WEIGHT_DECAY": (0, 1),
-    "LR": (1e-12, None),
-}
-TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
+FREE_ON_RESUME = set("DATA_DIR OUTPUT_DIR RESUME WORLD_SIZE AMP COMPILE SYNC_BN ACCUMULATE BF16_ALLREDUCE TTA".split())
+FREE_ON_RESUME |= {"COLLECTIVE_TIMEOUT", "LOADER", "NUM_WORKERS"}
+# Allowed ranges: (lowest, highest), None where open.
+LIMITS = {name: (1, None) for name in "EPOCHS BATCH_SIZE SYNTHETIC_SIZE ACCUMULATE COLLECTIVE_TIMEOUT".split()}
+LIMITS |= {"IMAGE_SIZE": (8, None), "NUM_WORKERS": (-1, None), "WARMUP": (0, 1), "LABEL_SMOOTHING": (0, 0.99)}
+LIMITS |= {"MOMENTUM": (0, 0.999), "WEIGHT_DECAY": (0, 1), "LR": (1e-12, None)}
+BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+KINDS = {int: "an integer, e.g. 1", float: "a number, e.g. 0.1", bool: "True or False", str: "text"}
 DEFAULTS: dict[str, Any] = {}  # each setting's value in the file, as read() found it
 
 
 def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
     """The settings of `script` with the command line's overrides applied, each checked."""
-    settings = {name: kind for name, kind in script.__annotations__.items() if name.isupper()}
-    comments = _comments(script.__file__)
-    parser = _OneLineParser(prog="train_distribute.py", description=(script.__doc__ or "").split("\n")[0])
-    for name, kind in settings.items():
+    with open(script.__file__, encoding="utf-8") as f:  # each setting's --help is the comment on its line
+        comments = dict(re.findall(r"^([A-Z][A-Z0-9_]*): .*?  # (.*)$", f.read(), re.MULTILINE))
+    parser = _OneLineParser(description=(script.__doc__ or "").split("\n")[0])
+    for name, kind in ((n, k) for n, k in script.__annotations__.items() if n.isupper()):
         default, choices = getattr(script, name), typing.get_args(kind) or None
-        base = type(choices[0]) if choices else kind
-        if (
-            not isinstance(default, base)
-            or (base is not bool and isinstance(default, bool))
-            or default not in (choices or [default])
-        ):
-            raise UserError(f"{name} = {default!r} at the top of {script.__file__} is not {_kind(base, choices)}")
-        parser.add_argument(
-            f"--{name.lower()}",
-            dest=name,
-            type=_converter(name, base),
-            default=default,
-            choices=choices,
-            metavar="{" + ",".join(choices) + "}" if choices else base.__name__.upper(),
-            help=f"{comments.get(name, '')} (default: {default})".replace("%", "%%"),
-            **({"nargs": "?", "const": True} if base is bool else {}),
-        )
+        kind = type(choices[0]) if choices else kind
+        if type(default) not in (kind, int if kind is float else kind) or default not in (choices or [default]):
+            raise UserError(f"{name} = {default!r} at the top of {script.__file__} is not {_kind(kind, choices)}")
         DEFAULTS[name] = default
+        help_text = f"{comments.get(name, '')} (default: {default})".replace("%", "%%")
+        bare = {"nargs": "?", "const": True} if kind is bool else {}  # a bare --resume means True
+        option = {"type": _converter(name, kind), "default": default, "choices": choices, "help": help_text}
+        option["metavar"] = None if choices else kind.__name__.upper()  # --help: the type, or the choices
+        parser.add_argument(f"--{name.lower()}", dest=name, **option, **bare)
     cfg = SimpleNamespace(**vars(parser.parse_args(argv)))
     for name, (low, high) in LIMITS.items():
         value = getattr(cfg, name, None)
-        if value is not None and (low is not None and value < low or high is not None and value > high):
-            where = "at the top of train_distribute.py" if value == getattr(script, name) else "on the command line"
-            allowed = (
-                f"from {low} to {high}" if high is not None else "positive" if low in (1, 1e-12) else f"at least {low}"
-            )
+        if value is not None and not (low <= value and (high is None or value <= high)):
+            where = "at the top of train_distribute.py" if value == DEFAULTS[name] else "on the command line"
+            allowed = f"from {low} to {high}" if high is not None else f"at least {low}"
             raise UserError(f"{name}={value!r} {where} is out of range: it must be {allowed}")
     return cfg
 
@@ -97,39 +73,19 @@ def check_resume(saved: dict[str, Any], cfg: SimpleNamespace, restart: str = "")
 
 def _converter(name: str, kind: type) -> Any:
     def convert(text: str) -> Any:
-        if kind is bool and text.lower() in TRUE + FALSE:
-            return text.lower() in TRUE
         try:
-            value = kind(text) if kind is not bool else None
-        except ValueError:
-            value = None
-        if value is None or (kind is float and not math.isfinite(value)):
-            raise UserError(
-                f"--{name.lower()}={text} is not {_kind(kind, None)}; e.g. --{name.lower()} {_EXAMPLE[kind]}"
-            )
-        return value
+            value = BOOLEANS[text.lower()] if kind is bool else kind(text)
+            if kind is float and not math.isfinite(value):
+                raise ValueError
+            return value
+        except (KeyError, ValueError):
+            raise UserError(f"--{name.lower()}={text} is not {_kind(kind, None)}") from None
 
     return convert
 
 
-_EXAMPLE = {int: "1", float: "0.1", bool: "True", str: "text"}
-
-
 def _kind(kind: type, choices: tuple | None) -> str:
-    if choices:
-        return "one of " + ", ".join(map(str, choices))
-    return {int: "an integer", float: "a number", bool: "True or False", str: "text"}[kind]
-
-
-def _comments(path: str) -> dict[str, str]:
-    """The comment at the end of each `NAME: type = value  # comment` line: the setting's --help text."""
-    with open(path, encoding="utf-8") as f:
-        tokens = list(tokenize.generate_tokens(io.StringIO(f.read()).readline))
-    found = {}
-    for token in tokens:
-        if token.type == tokenize.COMMENT and token.line[:1].isupper() and ":" in token.line:
-            found[token.line.split(":")[0].strip()] = token.string.lstrip("# ").strip()
-    return found
+    return "one of " + ", ".join(map(str, choices)) if choices else KINDS[kind]
 
 
 class _OneLineParser(argparse.ArgumentParser):

@@ -12,14 +12,12 @@ from typing import Any
 import filelock
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from distribute_tools import DistInfo, under_torchrun
 from safeguards import failures, files, settings
 from safeguards.failures import UserError
 
 RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # set by torchrun, and by SLURM on a requeue
-FINISHED = "already finished: all {cfg.EPOCHS} epochs are in {cfg.OUTPUT_DIR}; nothing to do"
 _held: list[filelock.BaseFileLock] = []  # rank 0's lock on OUTPUT_DIR, held until the process ends
 
 
@@ -33,14 +31,16 @@ def decide(cfg: SimpleNamespace, saved: dict[str, Any] | None) -> str:
             raise UserError(_no_checkpoint(cfg.OUTPUT_DIR))
         return "new"  # a restart before the run's first checkpoint starts it again
     settings.check_resume(saved["config"], cfg, "" if cfg.RESUME else restart)
-    return "finished" if int(saved["epoch"]) >= cfg.EPOCHS else "resume"
+    if int(saved["epoch"]) < cfg.EPOCHS:
+        return "resume"
+    if os.environ.get("RANK", "0") == "0":  # the launcher, or rank 0: said once
+        print(f"already finished: all {cfg.EPOCHS} epochs are in {cfg.OUTPUT_DIR}; nothing to do", flush=True)
+    return "finished"
 
 
 def restarted_by() -> str:
     """What says that this start is a restart, e.g. "SLURM_RESTART_COUNT=1"; "" for a first start."""
-    return ", ".join(
-        f"{name}={os.environ[name]}" for name in RESTART_COUNTS if os.environ.get(name, "0") not in ("", "0")
-    )
+    return ", ".join(f"{name}={os.environ[name]}" for name in RESTART_COUNTS if os.environ.get(name, "0") != "0")
 
 
 def run_ids() -> dict[str, str]:
@@ -50,28 +50,20 @@ def run_ids() -> dict[str, str]:
 
 
 def _same_run(saved_by: dict[str, str]) -> bool:
-    ours = run_ids()
-    return not ours or any(saved_by.get(kind) == name for kind, name in ours.items())
-
-
-# ----------------------------------------------------------------------------- in the launcher, before any rank
+    return not run_ids() or any(saved_by.get(kind) == name for kind, name in run_ids().items())
 
 
 def decide_here(cfg: SimpleNamespace) -> str:
-    """The launcher's decision on this machine's OUTPUT_DIR, which it checks can be written and is no other run's.
-    From now on a failure's line names the epoch whose files are kept."""
+    """In the launcher, before any rank: the decision on OUTPUT_DIR, which must be writable and no other run's. From
+    now on a failure's line names the epoch whose files are kept."""
     try:
         os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
     except OSError as e:
-        raise UserError(
-            f"cannot create OUTPUT_DIR {cfg.OUTPUT_DIR} ({e.strerror}); choose another --output_dir"
-        ) from None
+        raise UserError(f"cannot create OUTPUT_DIR {cfg.OUTPUT_DIR} ({e.strerror}); choose another") from None
     lock(cfg.OUTPUT_DIR, wait_s=0).release()
-    kind = decide(cfg, _read(cfg.OUTPUT_DIR, strict=cfg.RESUME))
-    if kind == "finished":
-        print(FINISHED.format(cfg=cfg), flush=True)
-    before = _stamp(cfg.OUTPUT_DIR)  # a checkpoint this run has not replaced is an earlier run's
-    failures.tell_kept_files(lambda: kept_files(cfg.OUTPUT_DIR, kind != "new" or _stamp(cfg.OUTPUT_DIR) != before))
+    kind = decide(cfg, _read(cfg))
+    earlier = _stamp(cfg.OUTPUT_DIR)  # a checkpoint this run has not replaced is an earlier run's
+    failures.tell_kept_files(lambda: kept_files(cfg.OUTPUT_DIR, kind != "new" or _stamp(cfg.OUTPUT_DIR) != earlier))
     return kind
 
 
@@ -86,29 +78,21 @@ def lock(output_dir: str, wait_s: float) -> filelock.BaseFileLock:
             f"OUTPUT_DIR {output_dir} is in use by another run; wait for it to end or choose another"
         ) from None
     except OSError as e:
-        raise UserError(
-            f"OUTPUT_DIR {output_dir} is not writable ({e.strerror}); choose another --output_dir"
-        ) from None
+        raise UserError(f"OUTPUT_DIR {output_dir} is not writable ({e.strerror}); choose another") from None
     return held
-
-
-# ----------------------------------------------------------------------------- in the ranks
 
 
 def all_ranks_begin(cfg: SimpleNamespace, info: DistInfo) -> tuple[str, dict[str, Any] | None]:
     """DDP: every rank. The decision on the newest checkpoint of any machine, and that checkpoint, sent to every rank
     from where it lies; rank 0 locks OUTPUT_DIR and makes it this run's."""
-    here = failures.all_ranks_try(lambda: _read(cfg.OUTPUT_DIR, strict=cfg.RESUME) if info.local_rank == 0 else None)
+    here = failures.all_ranks_try(lambda: _read(cfg) if info.local_rank == 0 else None)
     everyone: list[Any] = [None] * info.world_size
     dist.all_gather_object(everyone, (int(here["epoch"]), here.get("run_ids", {})) if here else (-1, {}))
-    ours = [epoch if cfg.RESUME or _same_run(ids) else -1 for epoch, ids in everyone]
-    source = ours.index(max(ours))
-    shared = [here if info.rank == source else None]
-    if max(ours) >= 0 and (cfg.RESUME or restarted_by()):
+    epochs = [epoch if cfg.RESUME or _same_run(ids) else -1 for epoch, ids in everyone]
+    source, shared = epochs.index(max(epochs)), [here]
+    if max(epochs) >= 0 and (cfg.RESUME or restarted_by()):
         dist.broadcast_object_list(shared, src=source)  # DDP: the newest checkpoint, from the rank that read it
-    kind = decide(cfg, shared[0] if max(ours) >= 0 else None)
-    if kind == "finished" and info.is_main:
-        print(FINISHED.format(cfg=cfg), flush=True)
+    kind = decide(cfg, shared[0] if max(epochs) >= 0 else None)  # every rank alike, on the same checkpoint
     checkpoint = shared[0] if kind == "resume" else None
     if kind != "finished":
         failures.all_ranks_try(lambda: _make_ours(cfg, checkpoint, source) if info.is_main else None)
@@ -120,26 +104,20 @@ def _make_ours(cfg: SimpleNamespace, checkpoint: dict[str, Any] | None, source: 
     after it belong to an epoch that runs again) and keeps a checkpoint from another machine here."""
     os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
     _held.append(lock(cfg.OUTPUT_DIR, wait_s=10 if restarted_by() else 0))
-    for name in os.listdir(cfg.OUTPUT_DIR):  # temporaries of a run killed in mid-write: never whole, never needed
-        if name.startswith(tuple(f"{result}.tmp" for result in files.RESULT_FILES)):
-            os.remove(os.path.join(cfg.OUTPUT_DIR, name))
-    if checkpoint is None or source != 0:
-        moved = move_aside(cfg.OUTPUT_DIR)
-        if moved:
-            print(f"moved the {'older' if checkpoint else 'earlier run'}'s results in {cfg.OUTPUT_DIR} to {moved}")
+    for name in glob.glob(os.path.join(glob.escape(cfg.OUTPUT_DIR), "*.tmp*")):  # of a run killed in mid-write
+        os.remove(name)
+    if (checkpoint is None or source != 0) and (moved := move_aside(cfg.OUTPUT_DIR)):
+        print(f"moved the {'older' if checkpoint else 'earlier run'}'s results in {cfg.OUTPUT_DIR} to {moved}")
     if checkpoint is not None:
         if source != 0:
-            path = os.path.join(cfg.OUTPUT_DIR, files.CHECKPOINT_NAME)
-            files.write_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
+            files.write_atomically(f"{cfg.OUTPUT_DIR}/{files.CHECKPOINT_NAME}", lambda tmp: torch.save(checkpoint, tmp))
         files.write_csv(checkpoint["history"], cfg.OUTPUT_DIR)
         where = f" (the checkpoint of rank {source}'s machine)" if source else ""
         print(f"resuming after epoch {checkpoint['epoch']} of {cfg.EPOCHS}{where}", flush=True)
     failures.tell_kept_files(lambda: kept_files(cfg.OUTPUT_DIR))
 
 
-def restore(
-    checkpoint: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, identity: str, folder: str
-) -> list[dict]:
+def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, identity: str, folder: str) -> list[dict]:
     """Every rank alike, before anything changes: the checkpoint's data (`identity`) and network are this run's.
     Loads the weights and the optimizer's state; returns the rows of the epochs done ([] for a new run)."""
     if checkpoint is None:
@@ -150,10 +128,9 @@ def restore(
             f"{identity}); resume on the same data, or start a new run without --resume"
         )
     saved, mine = checkpoint["model"], model.state_dict()
-    for name in [*saved, *(n for n in mine if n not in saved)]:
-        theirs, ours = saved.get(name), mine.get(name)
-        if theirs is None or ours is None or theirs.shape != ours.shape:
-            shapes = [tuple(t.shape) if t is not None else "none" for t in (theirs, ours)]
+    for name in saved.keys() | mine.keys():
+        shapes = [tuple(weights[name].shape) if name in weights else "none" for weights in (saved, mine)]
+        if shapes[0] != shapes[1]:
             raise UserError(
                 f"the checkpoint in {folder} is of another network: its {name} is {shapes[0]}, this network's "
                 f"{shapes[1]}; resume with the network that wrote it, or start a new run in another --output_dir"
@@ -193,16 +170,15 @@ def kept_files(output_dir: str, ours: bool = True) -> str:
     return f"the files in {output_dir} are from epoch {epoch}: continue with --resume True"
 
 
-def _read(output_dir: str, strict: bool) -> dict[str, Any] | None:
-    """The checkpoint in output_dir. A missing or unreadable one: None, or with `strict` one line."""
-    path = os.path.join(output_dir, files.CHECKPOINT_NAME)
+def _read(cfg: SimpleNamespace) -> dict[str, Any] | None:
+    """The checkpoint in OUTPUT_DIR (None: there is none). An unreadable one is one line where the start would continue
+    it (a resume or restart never starts over in silence), and left alone otherwise (a new run moves it aside)."""
+    path = os.path.join(cfg.OUTPUT_DIR, files.CHECKPOINT_NAME)
     try:
-        return files.load_checkpoint(output_dir)
+        return files.load_checkpoint(cfg.OUTPUT_DIR) if os.path.exists(path) else None
     except Exception as e:
-        if not strict and not (restarted_by() and os.path.exists(path)):
-            return None  # a restart never starts over in silence on a checkpoint it cannot read
-        if not os.path.isfile(path):
-            raise UserError(_no_checkpoint(output_dir)) from None
+        if not (cfg.RESUME or restarted_by()):
+            return None
         raise UserError(
             f"cannot read {path} ({type(e).__name__}: {failures.first_line(e, 80)}); it stays as it is: put back a "
             f"good copy to continue, or move it away to start the run over"
@@ -218,7 +194,6 @@ def _stamp(output_dir: str) -> tuple[int, int] | None:
 def _no_checkpoint(output_dir: str) -> str:
     """RESUME=True found nothing to resume: say where a later run moved the last checkpoint, if it did."""
     moved = glob.glob(os.path.join(glob.escape(output_dir), "previous-*", files.CHECKPOINT_NAME))
-    latest = os.path.dirname(max(moved, key=os.path.getmtime)) if moved else None
-    hint = f"; a later run moved the last one to {latest}: move its files back into {output_dir} to continue it"
-    path = os.path.join(output_dir, files.CHECKPOINT_NAME)
-    return f"RESUME=True but there is no {path}{hint if latest else ''}; or run without --resume to start a new run"
+    latest = os.path.dirname(max(moved, key=os.path.getmtime)) if moved else ""
+    hint = f"; a later run moved the last one to {latest}: move its files back to continue it" if moved else ""
+    return f"RESUME=True but there is no {os.path.join(output_dir, files.CHECKPOINT_NAME)}{hint}; or start a new run"
