@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from distribute_tools import DistInfo
-from safeguards.failures import UserError, first_line, kept_files
+from safeguards.failures import UserError, first_line, guard_parent, ignore_stop_signals, kept_files
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's published, 0..1 units
 SYNTHETIC_CLASSES = 10
@@ -37,10 +37,8 @@ EVAL_BATCH = 500  # test images per evaluation batch
 
 def sizes(cfg: SimpleNamespace) -> tuple[int, int]:
     """Training images and classes, without decoding an image: what the checks before the start need."""
-    if cfg.DATASET == "synthetic":
-        return cfg.SYNTHETIC_SIZE, SYNTHETIC_CLASSES
-    if cfg.DATASET == "cifar10":
-        return 50_000, 10
+    if cfg.DATASET != "imagefolder":
+        return (cfg.SYNTHETIC_SIZE, SYNTHETIC_CLASSES) if cfg.DATASET == "synthetic" else (50_000, 10)
     classes, samples = list_folder(cfg.DATA_DIR, "train")
     return len(samples), len(classes)
 
@@ -48,13 +46,11 @@ def sizes(cfg: SimpleNamespace) -> tuple[int, int]:
 def prepare(cfg: SimpleNamespace) -> None:
     """Download CIFAR-10 into DATA_DIR unless it is there: one process per folder at a time (a file lock), since ranks
     downloading at once corrupt the archive. An image folder: both splits must hold the same classes."""
-    if cfg.DATASET == "imagefolder":
-        (classes, _), (test_classes, _) = list_folder(cfg.DATA_DIR, "train"), list_folder(cfg.DATA_DIR, "test")
-        if classes != test_classes:
-            raise UserError(
-                f"{cfg.DATA_DIR}/train and {cfg.DATA_DIR}/test hold different class folders; every class needs images "
-                f"in both: add the missing class folders, or move the class out of both"
-            )
+    if cfg.DATASET == "imagefolder" and list_folder(cfg.DATA_DIR, "train")[0] != list_folder(cfg.DATA_DIR, "test")[0]:
+        raise UserError(
+            f"{cfg.DATA_DIR}/train and {cfg.DATA_DIR}/test hold different class folders; every class needs images in "
+            f"both: add the missing class folders, or move the class out of both"
+        )
     if cfg.DATASET != "cifar10":
         return
     try:
@@ -63,8 +59,7 @@ def prepare(cfg: SimpleNamespace) -> None:
         raise UserError(
             f"DATA_DIR {cfg.DATA_DIR} cannot be created ({e.strerror}); point --data_dir elsewhere"
         ) from None
-    writable = os.access(cfg.DATA_DIR, os.W_OK)  # a read-only copy is only read: no lock needed, none possible
-    previous = socket.getdefaulttimeout()
+    writable, previous = os.access(cfg.DATA_DIR, os.W_OK), socket.getdefaulttimeout()  # read-only: no lock, none needed
     socket.setdefaulttimeout(60)  # torchvision's download sets no timeout of its own
     try:
         with filelock.FileLock(os.path.join(cfg.DATA_DIR, ".cifar10.lock")) if writable else nullcontext():
@@ -90,20 +85,18 @@ def _cifar10(data_dir: str, train: bool, download: bool = False) -> Any:
         ) from None
 
 
-# ----------------------------------------------------------------------------- the data sets
-
-
 def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_format) -> tuple[Any, Any, dict]:
     """This rank's (train, test) loaders and what the checkpoint records of the data. Every rank must hold the same
     data (a machine with another copy of DATA_DIR would train on other data or hang): their identities meet once."""
     streams = cfg.LOADER == "stream" or (cfg.LOADER == "auto" and cfg.DATASET == "imagefolder")
-    cores = len(os.sched_getaffinity(0)) // info.local_world_size
-    workers = cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else max(1, cores - 1)
+    workers = (
+        cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else max(1, len(os.sched_getaffinity(0)) // info.local_world_size - 1)
+    )
     if cfg.DATASET == "imagefolder":
         (classes, train), (_, test) = list_folder(cfg.DATA_DIR, "train"), list_folder(cfg.DATA_DIR, "test")
         splits: list[Any] = [ImageFiles(samples, cfg.IMAGE_SIZE) for samples in (train, test)]
-        sample = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:STATISTICS_SAMPLE].sort()
-        mean, std = channel_statistics(decode_all(splits[0], workers, sample.values.tolist())[0])
+        sample = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:STATISTICS_SAMPLE].sort()[0]
+        mean, std = channel_statistics(decode_all(splits[0], workers, sample.tolist())[0])
         source = f"files {folder_digest(cfg.DATA_DIR, train + test)}"
         splits = splits if streams else [decode_all(files, workers, range(len(files))) for files in splits]
     else:
@@ -111,45 +104,33 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
         mean, std = channel_statistics(splits[0][0]) if cfg.DATASET == "synthetic" else (CIFAR_MEAN, CIFAR_STD)
         source = "generated" if cfg.DATASET == "synthetic" else "CIFAR-10"
     options = {"mean": mean, "std": std, "device": info.device, "memory_format": memory_format}
-    if streams:
-        train_loader, test_loader = (
-            StreamLoader(files, workers, a, **options) for files, a in [(splits[0], cfg.AUGMENT), (splits[1], False)]
-        )
-    else:
-        train_loader, test_loader = (
-            MemoryLoader(*split, a, **options) for split, a in [(splits[0], cfg.AUGMENT), (splits[1], False)]
-        )
+    kind, options = (StreamLoader, {**options, "workers": workers}) if streams else (MemoryLoader, options)
+    loaders = [kind(split, augment, **options) for split, augment in zip(splits, (cfg.AUGMENT, False), strict=True)]
     size = f"{cfg.IMAGE_SIZE}x{cfg.IMAGE_SIZE}"
     identity = (
-        f"{len(train_loader):,} train and {len(test_loader):,} test images of {size}, {len(classes)} classes, {source}"
+        f"{len(loaders[0]):,} train and {len(loaders[1]):,} test images of {size}, {len(classes)} classes, {source}"
     )
     everyone: list[Any] = [None] * info.world_size
     dist.all_gather_object(everyone, identity)  # DDP: every rank's data, compared once
-    others = [str(rank) for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if others:
+    if others := [str(rank) for rank, theirs in enumerate(everyone) if theirs != identity]:
         raise UserError(
-            f"rank(s) {', '.join(others)} loaded other data than rank 0 ({everyone[int(others[0])]}, against "
-            f"{everyone[0]}); give every machine the same copy of DATA_DIR"
+            f"rank(s) {', '.join(others)} loaded other data than rank {info.rank} ({identity}); give every machine the "
+            f"same copy of DATA_DIR"
         )
     how = f"stream, {workers} worker(s) per rank" if streams else "memory"
     record = {"identity": identity, "classes": classes, "mean": mean, "std": std, "image_size": cfg.IMAGE_SIZE}
-    return train_loader, test_loader, {**record, "loader": how}
+    return loaders[0], loaders[1], {**record, "loader": how}
 
 
 def read_in_memory(cfg: SimpleNamespace) -> tuple[tuple, tuple, list[str]]:
     """CIFAR-10 or generated images: (train images, labels), (test images, labels), the class names; uint8 NHWC."""
     if cfg.DATASET == "synthetic":
-        train, test = (
-            make_synthetic(n, cfg.SEED, split, cfg.IMAGE_SIZE)
-            for split, n in enumerate((cfg.SYNTHETIC_SIZE, max(cfg.SYNTHETIC_SIZE // 5, 1)))
-        )
+        sizes_ = (cfg.SYNTHETIC_SIZE, max(cfg.SYNTHETIC_SIZE // 5, 1))
+        train, test = (make_synthetic(n, cfg.SEED, split, cfg.IMAGE_SIZE) for split, n in enumerate(sizes_))
         return train, test, [f"class_{c}" for c in range(SYNTHETIC_CLASSES)]
     train, test = (_cifar10(cfg.DATA_DIR, split) for split in (True, False))
-    return (
-        (torch.from_numpy(train.data), torch.tensor(train.targets)),
-        (torch.from_numpy(test.data), torch.tensor(test.targets)),
-        train.classes,
-    )
+    pixels = [(torch.from_numpy(split.data), torch.tensor(split.targets)) for split in (train, test)]
+    return pixels[0], pixels[1], train.classes
 
 
 def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,28 +145,27 @@ def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tu
     return images.permute(0, 2, 3, 1).contiguous(), labels
 
 
+# ----------------------------------------------------------------------------- image folders
+
+
 def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, int]]]:
     """Class names (sorted sub-folder names; hidden ones such as .ipynb_checkpoints skipped) and (path, label) of every
     image in them, in sub-folders too (torchvision's listing)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
+
     root = os.path.join(data_dir, split)
     if not os.path.isdir(root):
         problem = f"has no {split}/ folder" if os.path.isdir(data_dir) else "does not exist"
         raise UserError(
-            f"DATA_DIR {data_dir} {problem}; point --data_dir at a folder with train/<class>/<image> and "
-            f"test/<class>/<image> inside"
+            f"DATA_DIR {data_dir} {problem}; point --data_dir at a folder with train/<class>/<image> and test/"
         )
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise UserError(f"{root} holds no class folders; put one sub-folder per class in it, with the images inside")
-    from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
-
     try:
         return classes, make_dataset(root, {name: label for label, name in enumerate(classes)}, IMG_EXTENSIONS)
     except FileNotFoundError as e:  # a class without images
-        raise UserError(
-            f"{root}: {first_line(e, 120).rstrip('.')}; every class needs images in both train/ and test/: add some, "
-            f"or move the class out of both"
-        ) from None
+        raise UserError(f"{root}: {first_line(e).rstrip('.')}; every class needs images in train/ and test/") from None
 
 
 def folder_digest(data_dir: str, samples: list[tuple[str, int]]) -> str:
@@ -205,16 +185,14 @@ def decode(path: str, size: int) -> np.ndarray:
         with Image.open(path) as image:
             if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):  # 0..65535 -> 0..255
                 image = Image.fromarray((np.asarray(image, np.float64).clip(0, 65535) / 257).round().astype(np.uint8))
-            elif image.mode in ("P", "PA"):
-                image = image.convert("RGBA")
-            image = image.convert("RGB")
+            image = (image.convert("RGBA") if image.mode in ("P", "PA") else image).convert("RGB")
     return np.asarray(image if image.size == (size, size) else image.resize((size, size), Image.BILINEAR))
 
 
 class ImageFiles(Dataset):
     """A split of an image folder, read from its files. A file that cannot be decoded becomes a black image marked
-    with its index, so that the ranks stop together (all_ranks_stop_if_unreadable) instead of one worker's traceback
-    stopping one rank. Paths are one numpy array, which forked workers share (a list's reference counts copy it)."""
+    with its index, so that the ranks stop together (StreamLoader) instead of one worker's traceback stopping one
+    rank. Paths are one numpy array, which forked workers share (a list's reference counts would copy it)."""
 
     def __init__(self, samples: list[tuple[str, int]], size: int) -> None:
         self.paths = np.array([os.fsencode(path) for path, _ in samples])
@@ -236,35 +214,31 @@ class ImageFiles(Dataset):
 
 
 def reader(files: ImageFiles, batch_size: int, sampler: Any, workers: int, pin: bool, **options: Any) -> DataLoader:
-    """Batches of `files` in the order of `sampler`, decoded by `workers` forked processes a few batches ahead, pinned
-    for GPUs; workers=0 decodes in this process (where a debugger reaches it)."""
-    parallel = {"multiprocessing_context": "fork", "prefetch_factor": 4} if workers else {}
+    """Batches of `files` in the order of `sampler`, decoded by `workers` forked processes a few batches ahead (each
+    leaves stopping to its rank and dies with it); workers=0 decodes in this process, where a debugger reaches it."""
+    parallel = (
+        {"multiprocessing_context": "fork", "prefetch_factor": 4, "worker_init_fn": quiet_worker} if workers else {}
+    )
     return DataLoader(files, batch_size, sampler=sampler, num_workers=workers, pin_memory=pin, **parallel, **options)
 
 
 def quiet_worker(worker_id: int) -> None:
-    """A decoding process leaves stopping to its rank (a Ctrl-C or scancel reaches every process), and dies with it."""
-    from safeguards.failures import guard_parent, ignore_stop_signals
-
-    ignore_stop_signals()
+    ignore_stop_signals()  # a Ctrl-C or scancel reaches every process: the rank decides what happens
     guard_parent()
 
 
 def decode_all(files: ImageFiles, workers: int, indices: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The images at `indices`, uint8 NHWC, and their labels; an unreadable one is one line on every rank alike."""
-    batches = list(reader(files, 256, list(indices), workers, False, worker_init_fn=quiet_worker))
-    bad = [i for _, _, marks in batches for i in marks.tolist() if i >= 0]
-    if bad:
+    batches = list(reader(files, 256, list(indices), workers, pin=False))
+    if bad := [i for _, _, marks in batches for i in marks.tolist() if i >= 0]:
         raise UserError(f"{files.unreadable(bad)}; delete or replace them and rerun")
     return torch.cat([pixels for pixels, _, _ in batches]), torch.cat([labels for _, labels, _ in batches])
 
 
 def channel_statistics(pixels: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel mean and standard deviation of uint8 NHWC images, in 0..1 units (summed in chunks, in float64)."""
-    sums = sum(
-        torch.stack([x.sum(0), (x * x).sum(0)]) for x in (c.reshape(-1, 3).double() / 255 for c in pixels.split(1024))
-    )
-    mean, squares = sums / (pixels.numel() // 3)
+    chunks = (chunk.reshape(-1, 3).double() / 255 for chunk in pixels.split(1024))
+    mean, squares = sum(torch.stack([x.sum(0), (x * x).sum(0)]) for x in chunks) / (pixels.numel() // 3)
     return tuple(mean.tolist()), tuple((squares - mean**2).clamp(min=1e-12).sqrt().tolist())
 
 
@@ -276,8 +250,7 @@ class Loader:
 
     def __init__(self, augment: bool, mean: tuple, std: tuple, device: torch.device, memory_format: Any) -> None:
         self.augment, self.device, self.memory_format = augment, device, memory_format
-        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
+        self.mean, self.std = (torch.tensor(m, device=device).view(1, 3, 1, 1) * 255 for m in (mean, std))
 
     def steps_per_epoch(self, global_batch: int) -> int:
         """Full batches only: a last partial batch is dropped on every rank, every epoch."""
@@ -287,8 +260,9 @@ class Loader:
         """uint8 NHWC -> normalised float NCHW in the model's memory format; with `generator`, cropped and flipped."""
         if generator is not None and self.augment:
             pixels = crop_and_flip(pixels, max(1, round(pixels.shape[1] / 8)), generator)  # 4 pixels at 32x32
-        x = (pixels.permute(0, 3, 1, 2).float() - self.mean) / self.std
-        return x.contiguous(memory_format=self.memory_format)
+        return ((pixels.permute(0, 3, 1, 2).float() - self.mean) / self.std).contiguous(
+            memory_format=self.memory_format
+        )
 
     def augmentation(self, seed: int, epoch: int, rank: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed_for(seed, epoch, rank))  # differs per rank
@@ -297,9 +271,9 @@ class Loader:
 class MemoryLoader(Loader):
     """A split held on the device: per-epoch shards, batches by indexing."""
 
-    def __init__(self, pixels: torch.Tensor, labels: torch.Tensor, *args: Any, **options: Any) -> None:
+    def __init__(self, split: tuple[torch.Tensor, torch.Tensor], *args: Any, **options: Any) -> None:
         super().__init__(*args, **options)
-        self.pixels, self.labels = pixels.to(self.device), labels.to(self.device)
+        self.pixels, self.labels = (tensor.to(self.device) for tensor in split)  # (images, labels)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -313,8 +287,9 @@ class MemoryLoader(Loader):
 
     def eval_batches(self, world_size: int, rank: int) -> Any:
         """This rank's contiguous part of the split: over all ranks every image exactly once."""
-        part = torch.tensor_split(torch.arange(len(self), device=self.device), world_size)[rank]
-        for batch in part.split(EVAL_BATCH):
+        for batch in torch.tensor_split(torch.arange(len(self), device=self.device), world_size)[rank].split(
+            EVAL_BATCH
+        ):
             yield self.prepare(self.pixels[batch]), self.labels[batch]
 
 
@@ -323,7 +298,7 @@ class StreamLoader(Loader):
     for training, started per pass for evaluation). A file that cannot be decoded stops every rank at the end of the
     pass, in one line naming it."""
 
-    def __init__(self, files: ImageFiles, workers: int, *args: Any, **options: Any) -> None:
+    def __init__(self, files: ImageFiles, *args: Any, workers: int, **options: Any) -> None:
         super().__init__(*args, **options)
         self.files, self.workers, self.readers = files, workers, {}
 
@@ -333,30 +308,26 @@ class StreamLoader(Loader):
     def train_batches(self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int) -> Any:
         if "train" not in self.readers:  # DDP: each rank's shard of one shuffle; drop_last: every rank as many steps
             sampler = DistributedSampler(self.files, world_size, rank, shuffle=True, seed=seed, drop_last=True)
-            self.readers["train"] = self.reader(global_batch // world_size, sampler, drop_last=True)
+            persistent = {"persistent_workers": True} if self.workers else {}
+            self.readers["train"] = self.reader(global_batch // world_size, sampler, drop_last=True, **persistent)
         self.readers["train"].sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same on every rank
         yield from self._batches(self.readers["train"], self.augmentation(seed, epoch, rank))
 
     def eval_batches(self, world_size: int, rank: int) -> Any:
-        if "eval" not in self.readers:  # no sampler: no image is padded in or left out
-            part = torch.tensor_split(torch.arange(len(self)), world_size)[rank].tolist()
-            self.readers["eval"] = self.reader(EVAL_BATCH // 2, part, persistent_workers=False)
-        yield from self._batches(self.readers["eval"], None)
+        part = torch.tensor_split(torch.arange(len(self)), world_size)[rank].tolist()  # no image padded in or left out
+        yield from self._batches(self.reader(EVAL_BATCH // 2, part), None)
 
     def reader(self, batch_size: int, sampler: Any, **options: Any) -> DataLoader:
-        options = {"persistent_workers": self.workers > 0, "worker_init_fn": quiet_worker, **options}
         return reader(self.files, batch_size, sampler, self.workers, self.device.type == "cuda", **options)
 
     def _batches(self, batches: DataLoader, generator: torch.Generator | None) -> Any:
         bad: list[int] = []
         for pixels, labels, marks in batches:
             bad += marks[marks >= 0].tolist()  # on the host, from the workers: no device sync
-            pixels, labels = pixels.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-            yield self.prepare(pixels, generator), labels
+            yield self.prepare(pixels.to(self.device, non_blocking=True), generator), labels.to(self.device)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, bad)  # DDP: every rank, at the end of each pass
-        if any(everyone):
-            found = [i for theirs in everyone for i in theirs]
+        if found := [i for theirs in everyone for i in theirs]:
             raise UserError(f"{self.files.unreadable(found)}; put back good copies and resume; {kept_files()}")
 
 
@@ -380,13 +351,12 @@ def crop_and_flip(pixels: torch.Tensor, pad: int, generator: torch.Generator) ->
     """Random crops of a reflect-padded image (shifts of up to `pad` pixels) and random horizontal flips, drawn per
     image, done with one gather. uint8 (B, H, W, C) in and out."""
     batch, height, width, _ = pixels.shape
-    device = pixels.device
-    shifts = torch.randint(-pad, pad + 1, (2, batch, 1), generator=generator, device=device)
-    rows = _reflect(torch.arange(height, device=device) + shifts[0], height)
-    cols = _reflect(torch.arange(width, device=device) + shifts[1], width)
-    flip = torch.rand(batch, 1, generator=generator, device=device) < 0.5
+    shifts = torch.randint(-pad, pad + 1, (2, batch, 1), generator=generator, device=pixels.device)
+    rows = _reflect(torch.arange(height, device=pixels.device) + shifts[0], height)
+    cols = _reflect(torch.arange(width, device=pixels.device) + shifts[1], width)
+    flip = torch.rand(batch, 1, generator=generator, device=pixels.device) < 0.5
     cols = torch.where(flip, width - 1 - cols, cols)
-    return pixels[torch.arange(batch, device=device)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    return pixels[torch.arange(batch, device=pixels.device)[:, None, None], rows[:, :, None], cols[:, None, :]]
 
 
 def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:

@@ -3,8 +3,6 @@ torchrun in every rank before it joins the group)."""
 
 import functools
 import os
-import shutil
-import subprocess
 import traceback
 from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
@@ -20,7 +18,7 @@ from safeguards.failures import UserError, first_line
 def read_and_check(script: ModuleType, argv: list[str]) -> tuple[SimpleNamespace, int]:
     """The script's settings and the world size, and every check that needs no rank, before anything starts."""
     cfg = settings.read(script, argv)
-    gpus = gpus_usable()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # the first line names the device in use
     world_size = distribute_tools.world_size(cfg.WORLD_SIZE, gpus)
     before_start(cfg, world_size, gpus, lambda classes: script.make_model(cfg, classes), data.sizes(cfg))
     return cfg, world_size
@@ -67,25 +65,6 @@ def before_start(
         f"make_model cannot build the network ({type(error).__name__}: {first_line(error)}, at "
         f"{os.path.basename(where.filename)}:{where.lineno}); fix make_model or the network's settings"
     )
-
-
-def gpus_usable() -> int:
-    """The GPUs torch can use. GPUs that the driver shows but torch cannot use must not leave a run on the CPU
-    unnoticed; CUDA_VISIBLE_DEVICES= (empty) asks for the CPU on purpose."""
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or not shutil.which("nvidia-smi"):
-        return 0
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    if any(line.startswith("GPU ") for line in listing.splitlines()):
-        raise UserError(
-            f"nvidia-smi shows GPUs but torch {torch.__version__} cannot use them; install a torch build for this "
-            f"driver (pytorch.org), or train on the CPU on purpose: CUDA_VISIBLE_DEVICES= python train_distribute.py"
-        )
-    return 0
 
 
 def route_around_cpu_crashes(model: torch.nn.Module, device: torch.device) -> None:
