@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from distribute_tools import DistInfo
-from safeguards.failures import UserError, first_line, guard_parent, ignore_stop_signals, kept_files
+from safeguards.failures import KEPT, UserError, first_line, guard_parent, ignore_stop_signals
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's published, 0..1 units
 SYNTHETIC_CLASSES = 10
@@ -186,7 +186,7 @@ def decode(path: str, size: int) -> np.ndarray:
             if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):  # 0..65535 -> 0..255
                 image = Image.fromarray((np.asarray(image, np.float64).clip(0, 65535) / 257).round().astype(np.uint8))
             image = (image.convert("RGBA") if image.mode in ("P", "PA") else image).convert("RGB")
-    return np.asarray(image if image.size == (size, size) else image.resize((size, size), Image.BILINEAR))
+    return np.array(image if image.size == (size, size) else image.resize((size, size), Image.BILINEAR))  # writable
 
 
 class ImageFiles(Dataset):
@@ -224,7 +224,7 @@ def reader(files: ImageFiles, batch_size: int, sampler: Any, workers: int, pin: 
 
 def quiet_worker(worker_id: int) -> None:
     ignore_stop_signals()  # a Ctrl-C or scancel reaches every process: the rank decides what happens
-    guard_parent()
+    guard_parent(None)
 
 
 def decode_all(files: ImageFiles, workers: int, indices: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,7 +328,7 @@ class StreamLoader(Loader):
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, bad)  # DDP: every rank, at the end of each pass
         if found := [i for theirs in everyone for i in theirs]:
-            raise UserError(f"{self.files.unreadable(found)}; put back good copies and resume; {kept_files()}")
+            raise UserError(f"{self.files.unreadable(found)}; put back good copies and resume; {KEPT}")
 
 
 def seed_for(*parts: int) -> int:

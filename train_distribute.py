@@ -223,7 +223,7 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
     loss_sum, correct, images = sums.tolist()
     if not math.isfinite(loss_sum):  # every rank sees the same sums: all stop, the last good checkpoint stays
         raise UserError(
-            f"the training loss became {loss_sum} in epoch {epoch}; lower --lr (now {cfg.LR}); {failures.kept_files()}"
+            f"the training loss became {loss_sum} in epoch {epoch}; lower --lr (now {cfg.LR}); {failures.KEPT}"
         )
     return [loss_sum, correct, images], seconds, lr
 

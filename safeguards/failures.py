@@ -27,6 +27,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 LAUNCHER_PID = "RESNET_DDP_LAUNCHER_PID"  # set by our launcher for its ranks; absent under torchrun
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo, when a peer is gone
 NOTHING_KEPT = "it stopped before any epoch finished; nothing to resume: start the run again"
+KEPT = "<the epoch whose files are kept>"  # a line's placeholder, filled in where it is printed: after the files
 
 
 class UserError(Exception):
@@ -46,8 +47,9 @@ def tell_kept_files(describe: Callable[[], str]) -> None:
     _kept[:] = [describe]
 
 
-def kept_files() -> str:
-    return _kept[0]() if _kept else NOTHING_KEPT
+def kept_files(line: str = KEPT) -> str:
+    """`line` with its placeholder filled in: which epoch's files a run that ends now keeps, and how to go on."""
+    return line.replace(KEPT, _kept[0]() if _kept else NOTHING_KEPT)
 
 
 def handle_stop_signals() -> None:
@@ -83,12 +85,12 @@ def ranks_start_with_stops_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def guard_parent() -> None:
+def guard_parent(launcher: str | None) -> None:
     """A rank must not outlive its launcher or torchrun (kill -9 of it) holding the GPU and OUTPUT_DIR: Linux sends
     it SIGKILL when its parent dies. A launcher already gone: leave now."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.environ.get(LAUNCHER_PID, str(os.getppid())) != str(os.getppid()):
+    if launcher and launcher != str(os.getppid()):
         os._exit(EXIT_STOPPED)
 
 
@@ -113,7 +115,7 @@ def all_ranks_try(action: Callable[[], Any] | None) -> Any:
 def run_rank(body: Callable[[], None]) -> int:
     """One rank from its first line to its exit code. After a failure the process ends at once: tearing down a group
     that peers left can hang (NCCL waits for them; gloo deadlocked on torch 2.4), and the system closes it anyway."""
-    guard_parent()
+    guard_parent(os.environ.get(LAUNCHER_PID))
     try:
         handle_stop_signals()  # a stop held back while this rank started arrives here
         body()
@@ -133,7 +135,7 @@ def run_launcher(body: Callable[[], None]) -> int:
         return 0
     except BaseException as error:
         code, line = outcome(error)
-        print(line, file=sys.stderr, flush=True) if line else None
+        print(kept_files(line), file=sys.stderr, flush=True) if line else None  # every rank has ended: files whole
         return code
     finally:
         ignore_stop_signals()  # a late Ctrl-C cannot turn a finished run into an interrupted one
@@ -157,12 +159,12 @@ def outcome(error: BaseException) -> tuple[int, str]:
             )
             how += " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if failure.exitcode == -9 else ""
             said = failure.message if failure.message.startswith("error: ") else f"error: rank {rank} {how}"
-            return 1, f"{said}; stopped the other ranks; {kept_files()}"
+            return 1, f"{said}; stopped the other ranks; {KEPT}"
     stop = _received[0] if _received else error.sigval if isinstance(error, SignalException) else None
     stop = signal.SIGINT if isinstance(error, KeyboardInterrupt) else stop
     if stop is not None:
         word = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
-        return (EXIT_INTERRUPTED if stop == signal.SIGINT else EXIT_STOPPED), f"{word}: {kept_files()}"
+        return (EXIT_INTERRUPTED if stop == signal.SIGINT else EXIT_STOPPED), f"{word}: {KEPT}"
     if isinstance(error, RuntimeError) and "find_unused_parameters=True" in str(error):  # DDP's, as one line
         unused = str(error).rpartition("did not receive grad for ")[2].split("\n")[0].strip()
         error = UserError(
@@ -190,7 +192,7 @@ def _say(code: int, line: str) -> None:
         return
     speaker = {EXIT_STOPPED: "RANK", EXIT_INTERRUPTED: "RANK", EXIT_MISTAKE: "LOCAL_RANK"}.get(code)
     if speaker is None or os.environ.get(speaker) == "0":
-        print(line, file=sys.stderr, flush=True)
+        print(kept_files(line), file=sys.stderr, flush=True)  # this rank's writer is closed: its files are whole
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
         os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
     )

@@ -7,8 +7,10 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -22,7 +24,6 @@ from tests.conftest import (
     HANG_TIMEOUT,
     TINY,
     alive,
-    call,
     clean_env,
     csv_rows,
     image_folder_of_noise,
@@ -31,7 +32,6 @@ from tests.conftest import (
     recorded_ranks,
     run_script,
     snapshot,
-    wait_for_rows,
     width,
 )
 
@@ -51,6 +51,8 @@ COLUMNS = [
 CLOCKS = {"epoch_seconds", "elapsed_seconds", "images_per_second", "peak_memory_mb", "write_wait_seconds"}
 NUMBERS = [c for c in COLUMNS if c not in CLOCKS]  # what a run computes: the same however it was interrupted
 REFERENCE = [*TINY, "--epochs=5"]  # the settings of the session's reference_run
+SHORT = [*TINY, "--synthetic_size=192", "--epochs=5"]  # 4 steps an epoch: a run to stop or break at an epoch's end
+ONE_CORE = [0]  # a run of one rank on one core: two threads on a busy machine wait for each other, seconds a step
 
 
 def lines(text: str) -> list[str]:
@@ -66,15 +68,20 @@ def results(folder: Path) -> dict:
     return {name: data for name, (_, data) in snapshot(folder).items() if name != ".lock"}
 
 
-def copy_stopped_after(out: Path, folder: Path, epoch: int) -> dict:
-    """The reference run's files in `folder`, its checkpoint and CSV as if the run had stopped after `epoch`; returns
-    the checkpoint, for a test to change and save again."""
-    shutil.copytree(out, folder)
+def cut_back(folder: Path, epoch: int) -> dict:
+    """The checkpoint and CSV in `folder` as if the run had stopped after `epoch`; returns the checkpoint, for a test
+    to change and save again."""
     checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
     checkpoint.update(epoch=epoch, history=checkpoint["history"][:epoch])
     torch.save(checkpoint, folder / "checkpoint.pt")
     files.write_csv(checkpoint["history"], str(folder))
     return checkpoint
+
+
+def copy_stopped_after(out: Path, folder: Path, epoch: int) -> dict:
+    """The reference run's files in `folder`, cut back to `epoch`."""
+    shutil.copytree(out, folder)
+    return cut_back(folder, epoch)
 
 
 def kill_9(run, pids: Path) -> None:
@@ -162,8 +169,10 @@ def test_evaluation_is_exact_and_independent_of_the_world_size(reference_run, tm
     found = []
     for world_size in (1, 2):
         answer = tmp_path / f"ws{world_size}.json"
-        result = call(f"{__name__}:evaluate_checkpoint", world_size, str(answer), *TINY, f"--output_dir={out}")
-        assert result.returncode == 0, result.stderr
+        options = {"call": f"{__name__}:evaluate_checkpoint", "cpus": ONE_CORE if world_size == 1 else None}
+        run = launch(world_size, str(answer), *TINY, f"--output_dir={out}", **options)
+        _, err = run.communicate(timeout=HANG_TIMEOUT)
+        assert run.returncode == 0, err
         found.append(json.loads(answer.read_text()))
     assert found[0]["acc"] == found[1]["acc"] == pd.read_csv(out / "pytorch_res.csv")["acc"].iloc[-1]
     assert found[0]["loss"] == pytest.approx(found[1]["loss"], rel=1e-5)
@@ -176,12 +185,12 @@ class WithoutBatchNorm(nn.Module):
     def __init__(self, num_classes: int) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU()
+            nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2, padding=1), nn.ReLU()
         )
-        self.head = nn.Linear(16, num_classes)
+        self.head = nn.Linear(16 * 4, num_classes)
 
     def forward(self, x):
-        return self.head(self.features(x).mean(dim=(2, 3)))
+        return self.head(nn.functional.adaptive_avg_pool2d(self.features(x), 2).flatten(1))
 
 
 def train_without_batchnorm(*argv: str) -> int:
@@ -192,30 +201,45 @@ def train_without_batchnorm(*argv: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def without_batchnorm(tmp_path_factory) -> dict[str, pd.DataFrame]:
-    """The same run without BatchNorm and without randomness between ranks: on 1 rank, on 2, and on 2 in 2
-    micro-batches each; their CSVs."""
+def without_batchnorm(reference_run, tmp_path_factory) -> dict[str, Path]:
+    """The same run without BatchNorm and without randomness between ranks, all at once: on 1 rank, on 2, and on 2
+    in 2 micro-batches each; their output folders. The run on 1 rank writes into a copy of the reference run's folder,
+    which also holds a previous-<time>/ folder of the name that moving those results aside would take."""
     tmp = tmp_path_factory.mktemp("without-batchnorm")
-    common = [*TINY, "--epochs=2", "--augment=False", "--amp=False"]
+    shutil.copytree(reference_run[0], tmp / "1 rank")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((tmp / "1 rank" / "pytorch_res.csv").stat().st_mtime))
+    (tmp / "1 rank" / f"previous-{stamp}").mkdir()
+    (tmp / "1 rank" / f"previous-{stamp}" / "pytorch_res.csv").write_text("an even earlier run's")
+    common = [*TINY, "--epochs=2", "--augment=False", "--amp=False", "--lr=4"]
     variants = {"1 rank": ["--world_size=1"], "2 ranks": [], "2 ranks, accumulate 2": ["--accumulate=2"]}
     runs = {
-        name: launch(*common, *extra, f"--output_dir={tmp / str(n)}", call=f"{__name__}:train_without_batchnorm")
-        for n, (name, extra) in enumerate(variants.items())
+        name: launch(
+            *common,
+            *extra,
+            f"--output_dir={tmp / name}",
+            call=f"{__name__}:train_without_batchnorm",
+            cpus=ONE_CORE if name == "1 rank" else None,
+        )
+        for name, extra in variants.items()
     }
     for name, run in runs.items():
-        _, err = run.communicate(timeout=HANG_TIMEOUT)
-        assert run.returncode == 0, f"{name}: {err}"
-    return {name: pd.read_csv(tmp / str(n) / "pytorch_res.csv") for n, name in enumerate(variants)}
+        out, err = run.communicate(timeout=HANG_TIMEOUT)
+        assert run.returncode == 0 and err == "", f"{name}: {err}"
+        (tmp / name / "stdout").write_text(out)
+    return {name: tmp / name for name in variants}
 
 
-def assert_same_numbers(run: pd.DataFrame, reference: pd.DataFrame) -> None:
+def assert_same_numbers(run: Path, reference: Path) -> None:
+    run_rows, reference_rows = pd.read_csv(run / "pytorch_res.csv"), pd.read_csv(reference / "pytorch_res.csv")
+    assert reference_rows["acc"].iloc[-1] > 0.5, "a run that learns nothing would compare equal whatever it stepped"
     for column in NUMBERS:
-        assert run[column].tolist() == pytest.approx(reference[column].tolist(), rel=1e-4), column
+        assert run_rows[column].tolist() == pytest.approx(reference_rows[column].tolist(), rel=1e-5), column
 
 
 def test_two_ranks_step_like_one_rank_on_the_whole_batch(without_batchnorm):
     """Sharding and gradient averaging: each step of 24 images on each of 2 ranks is the step of the same 48 images
-    on 1 rank, so the runs' losses and accuracies agree (float rounding: the sums run in another order)."""
+    on 1 rank, so the runs' losses and accuracies agree (float rounding: the sums run in another order); the LR
+    follows the global batch, not the world size."""
     assert_same_numbers(without_batchnorm["2 ranks"], without_batchnorm["1 rank"])
 
 
@@ -224,69 +248,92 @@ def test_accumulation_steps_like_the_whole_share(without_batchnorm):
     assert_same_numbers(without_batchnorm["2 ranks, accumulate 2"], without_batchnorm["2 ranks"])
 
 
-def test_world_size_1_follows_the_same_lr_and_moves_old_results_aside(reference_run, tmp_path):
-    """The LR follows the global batch, not the world size. The reference run's files move to previous-<time>/, and
-    an earlier folder of that name is never overwritten."""
-    out, _, _ = reference_run
-    folder = tmp_path / "out"
-    shutil.copytree(out, folder)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((folder / "pytorch_res.csv").stat().st_mtime))
-    (folder / f"previous-{stamp}").mkdir()
-    (folder / f"previous-{stamp}" / "pytorch_res.csv").write_text("an even earlier run's")
-    result = run_script(*REFERENCE, "--world_size=1", f"--output_dir={folder}")
-    assert result.returncode == 0 and result.stderr == "", result.stderr
-    assert "1 rank(s) on cpu (gloo)" in result.stdout
-    lr = pd.read_csv(folder / "pytorch_res.csv")["lr"].tolist()
-    assert lr == pytest.approx(pd.read_csv(out / "pytorch_res.csv")["lr"].tolist(), rel=1e-12)
-    moved = folder / f"previous-{stamp}-2"
-    assert f"moved the earlier run's results in {folder} to {moved}" in result.stdout
-    assert (moved / "pytorch_res.csv").read_bytes() == (out / "pytorch_res.csv").read_bytes()
-    assert (moved / "checkpoint.pt").read_bytes() == (out / "checkpoint.pt").read_bytes()
-    assert (moved / "pytorch_res.png").exists()
-    assert (folder / f"previous-{stamp}" / "pytorch_res.csv").read_text() == "an even earlier run's"
+def test_world_size_1_follows_the_same_lr_and_moves_old_results_aside_never_overwriting_them(
+    without_batchnorm, reference_run
+):
+    """The LR follows the global batch (BATCH_SIZE), not the world size. A new run moves the earlier run's files to
+    previous-<time>/, under another name where one of that time exists."""
+    folder, out = without_batchnorm["1 rank"], reference_run[0]
+    stdout = (folder / "stdout").read_text()
+    assert "1 rank(s) on cpu (gloo)" in stdout
+    lr = [pd.read_csv(without_batchnorm[name] / "pytorch_res.csv")["lr"].tolist() for name in ("1 rank", "2 ranks")]
+    assert lr[0] == lr[1] and len(lr[0]) == 2
+    (earlier,) = [p for p in folder.glob("previous-*") if (p / "checkpoint.pt").exists()]
+    (even_earlier,) = [p for p in folder.glob("previous-*") if p != earlier]
+    assert earlier.name == f"{even_earlier.name}-2"  # the same time: another name, nothing overwritten
+    assert (even_earlier / "pytorch_res.csv").read_text() == "an even earlier run's"
+    assert f"moved the earlier run's results in {folder} to {earlier}" in stdout
+    for name in ("pytorch_res.csv", "checkpoint.pt", "pytorch_res.png"):
+        assert (earlier / name).read_bytes() == (out / name).read_bytes(), name
+    assert csv_rows(folder) == 2
 
 
 # ----------------------------------------------------------------------------- kill -9, Ctrl-C, and resume
 
 
-def test_kill_9_then_resume_gives_every_epoch_once_and_the_same_numbers(reference_run, tmp_path):
-    out, _, _ = reference_run
-    folder, pids = tmp_path / "out", tmp_path / "pids"
+def wait_for_marker(marker: Path, run) -> None:
+    """Until the hooked writer says that the slow epoch's files are being written (TEST_SLOW_EPOCH, TEST_MARKER)."""
+    deadline = time.monotonic() + HANG_TIMEOUT
+    while not marker.exists():
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def killed_then_resumed(tmp_path_factory) -> SimpleNamespace:
+    """A run killed with SIGKILL, launcher and ranks at once, while epoch 3's files are written in the background
+    (epoch 2 is in the CSV), and what it left; then the same run resumed, and while the resumed run writes epoch 4's
+    files, a second run into its folder."""
+    tmp = tmp_path_factory.mktemp("killed")
+    folder, pids = tmp / "out", tmp / "pids"
     pids.mkdir()
-    run = launch(*REFERENCE, f"--output_dir={folder}", env=clean_env(TEST_PIDS=str(pids)))
-    wait_for_rows(folder, 2, run)
-    kill_9(run, pids)  # the whole run, launcher and ranks, at whatever moment
-    done = checkpoint_epoch(folder)
-    assert done >= 2
-    result = run_script(*REFERENCE, f"--output_dir={folder}", "--resume=True")
+    env = clean_env(TEST_SLOW_EPOCH="3", TEST_MARKER=str(tmp / "writing-3"), TEST_PIDS=str(pids))
+    killed = launch(*REFERENCE, f"--output_dir={folder}", env=env)
+    wait_for_marker(tmp / "writing-3", killed)
+    kill_9(killed, pids)
+    png = (folder / "pytorch_res.png").read_bytes()
+    left = {"epoch": checkpoint_epoch(folder), "rows": csv_rows(folder), "png_whole": png[-8:-4] == b"IEND"}
+    env = clean_env(TEST_SLOW_EPOCH="4", TEST_MARKER=str(tmp / "writing-4"))
+    resumed = launch(*REFERENCE, f"--output_dir={folder}", "--resume=True", env=env)
+    wait_for_marker(tmp / "writing-4", resumed)
+    second = run_script(*TINY, "--epochs=1", "--seed=1", f"--output_dir={folder}")
+    out, err = resumed.communicate(timeout=HANG_TIMEOUT)
+    return SimpleNamespace(
+        folder=folder, left=left, resumed=subprocess.CompletedProcess([], resumed.returncode, out, err), second=second
+    )
+
+
+def test_kill_9_during_a_background_write_loses_only_that_epoch(killed_then_resumed):
+    assert killed_then_resumed.left == {"epoch": 2, "rows": 2, "png_whole": True}  # epoch 2's files, whole
+
+
+def test_kill_9_then_resume_gives_every_epoch_once_and_the_same_numbers(killed_then_resumed, reference_run):
+    folder, result = killed_then_resumed.folder, killed_then_resumed.resumed
     assert result.returncode == 0 and result.stderr == "", result.stderr
-    assert f"resuming after epoch {done} of 5" in result.stdout and "done: 5 epochs" in result.stdout
-    assert_same_epochs(folder, out)
+    assert "resuming after epoch 2 of 5" in result.stdout and "done: 5 epochs" in result.stdout
+    assert "epoch 1/5" not in result.stdout and "epoch 2/5" not in result.stdout
+    assert_same_epochs(folder, reference_run[0])
     assert not list(folder.glob("previous-*")), "the resumed run moved its own results aside"
 
 
-def test_kill_9_during_a_background_write_loses_only_that_epoch(tmp_path):
-    folder, marker, pids = tmp_path / "out", tmp_path / "writing", tmp_path / "pids"
-    pids.mkdir()
-    env = clean_env(TEST_SLOW_EPOCH="2", TEST_MARKER=str(marker), TEST_PIDS=str(pids))
-    run = launch(*REFERENCE, f"--output_dir={folder}", env=env)
-    deadline = time.monotonic() + HANG_TIMEOUT
-    while not marker.exists():  # epoch 2's files are being written, in the background
-        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
-        time.sleep(0.02)
-    kill_9(run, pids)
-    assert checkpoint_epoch(folder) == 1 and csv_rows(folder) == 1  # epoch 1's files, whole
-    assert (folder / "pytorch_res.png").stat().st_size > 0
+def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line_and_the_first_finishes_unharmed(
+    killed_then_resumed, reference_run
+):
+    folder, second = killed_then_resumed.folder, killed_then_resumed.second
+    assert second.returncode == 2 and second.stdout == "", second.stdout
+    assert lines(second.stderr) == [
+        f"error: OUTPUT_DIR {folder} is in use by another run; wait for it to end or choose another"
+    ]
+    assert killed_then_resumed.resumed.returncode == 0
+    assert_same_epochs(folder, reference_run[0])  # the first run's files, as if no other run had come
+    assert not list(folder.glob("previous-*")), "the second run moved the first one's files"
 
 
 def test_ctrl_c_during_a_background_write_finishes_the_files_first(tmp_path):
     folder, marker = tmp_path / "out", tmp_path / "writing"
     env = clean_env(TEST_SLOW_EPOCH="2", TEST_MARKER=str(marker))
-    run = launch(*REFERENCE, f"--output_dir={folder}", env=env)
-    deadline = time.monotonic() + HANG_TIMEOUT
-    while not marker.exists():
-        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
-        time.sleep(0.02)
+    run = launch(*SHORT, f"--output_dir={folder}", env=env)
+    wait_for_marker(marker, run)
     os.kill(run.pid, signal.SIGINT)  # to the launcher, which passes it on to the ranks
     _, err = run.communicate(timeout=HANG_TIMEOUT)
     assert run.returncode == 130, err
@@ -311,28 +358,12 @@ def test_a_finished_run_started_again_changes_nothing_and_exits_0(reference_run,
     assert snapshot(folder) == before
 
 
-def test_one_run_per_output_folder(tmp_path):
-    """A second run into a folder that a running one holds is refused in one line, and the first goes on unharmed."""
-    folder = tmp_path / "out"
-    first = launch(*TINY, "--epochs=3", f"--output_dir={folder}")
-    wait_for_rows(folder, 1, first)
-    second = run_script(*TINY, "--epochs=1", "--seed=1", f"--output_dir={folder}")
-    assert second.returncode == 2 and second.stdout == "", second.stdout
-    assert lines(second.stderr) == [
-        f"error: OUTPUT_DIR {folder} is in use by another run; wait for it to end or choose another"
-    ]
-    out, err = first.communicate(timeout=HANG_TIMEOUT)
-    assert first.returncode == 0 and err == "" and "done: 3 epochs" in out, err
-    assert pd.read_csv(folder / "pytorch_res.csv")["epoch"].tolist() == [1, 2, 3]
-    assert not list(folder.glob("previous-*")), "the second run moved the first one's files"
-
-
 # ----------------------------------------------------------------------------- failures: one line, last files kept
 
 
 def test_a_failed_write_ends_the_run_in_one_line_naming_the_fix_and_the_kept_epoch(tmp_path):
     folder = tmp_path / "out"
-    result = run_script(*TINY, "--epochs=3", f"--output_dir={folder}", env=clean_env(TEST_FAIL_EPOCH="2"))
+    result = run_script(*SHORT, f"--output_dir={folder}", env=clean_env(TEST_FAIL_EPOCH="2"))
     assert result.returncode == 2, result.stderr
     assert lines(result.stderr) == [
         f"error: could not write {folder}/checkpoint.pt (No space left on device); free space or choose another "
@@ -345,13 +376,13 @@ def test_a_non_finite_loss_stops_every_rank_in_one_line_and_keeps_the_last_good_
     folder = tmp_path / "out"
     checkpoint = copy_stopped_after(reference_run[0], folder, epoch=2)
     weights = next(t for t in checkpoint["model"].values() if t.is_floating_point())
-    weights.view(-1)[0] = math.nan  # weights gone bad: epoch 3 cannot have a finite loss
+    weights[(0,) * weights.dim()] = math.nan  # weights gone bad: epoch 3 cannot have a finite loss
     torch.save(checkpoint, folder / "checkpoint.pt")
     saved = (folder / "checkpoint.pt").read_bytes()
     result = run_script(*REFERENCE, f"--output_dir={folder}", "--resume=True")
     assert result.returncode == 2, result.stderr
     assert lines(result.stderr) == [
-        "error: the training loss became nan in epoch 3; lower --lr (now 0.4); the files in "
+        f"error: the training loss became nan in epoch 3; lower --lr (now {train_distribute.LR}); the files in "
         f"{folder} are from epoch 2: continue with --resume True"
     ]
     assert (folder / "checkpoint.pt").read_bytes() == saved and csv_rows(folder) == 2
@@ -364,7 +395,8 @@ def test_a_resume_with_changed_settings_is_refused_in_one_line(reference_run, tm
     result = run_script(*REFERENCE, "--lr=0.1", f"--output_dir={folder}", "--resume=True")
     assert result.returncode == 2 and result.stdout == ""
     assert lines(result.stderr) == [
-        "error: RESUME=True but LR=0.1 differs from the checkpoint's 0.4; resume with --lr 0.4, or start a new run"
+        f"error: RESUME=True but LR=0.1 differs from the checkpoint's {train_distribute.LR}; resume with --lr "
+        f"{train_distribute.LR}, or start a new run"
     ]
     assert results(folder) == before
 
@@ -376,9 +408,7 @@ def test_a_resume_on_other_images_of_the_same_count_and_classes_is_refused(tmp_p
     args = ["--dataset=imagefolder", f"--data_dir={images}", "--image_size=8", *width(4), "--batch_size=8"]
     first = run_script(*args, "--epochs=2", f"--output_dir={folder}")
     assert first.returncode == 0, first.stderr
-    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)  # as if stopped after epoch 1 of 2
-    checkpoint.update(epoch=1, history=checkpoint["history"][:1])
-    torch.save(checkpoint, folder / "checkpoint.pt")
+    cut_back(folder, epoch=1)
     before = results(folder)
     changed = images / "train" / "a" / "0000.png"
     changed.write_bytes(changed.read_bytes() + b"\0")  # still an image, of another size in bytes

@@ -1,0 +1,193 @@
+"""Image folders and the stream loader (LOADER="stream": torch's DataLoader with a DistributedSampler, DataLoader
+workers decoding the files as training goes), in real rank processes: the order the ranks draw, folders of any image
+size on both loaders, a file that stops decoding mid-run, and a run that changes loader on resume."""
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data.distributed import DistributedSampler
+
+import data
+import distribute_tools
+import train_distribute
+from safeguards import settings
+from tests.conftest import HANG_TIMEOUT, call, clean_env, csv_rows, launch, wait_for_rows
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def data_dir(args: list[str]) -> Path:
+    return Path(next(a for a in args if a.startswith("--data_dir=")).partition("=")[2])
+
+
+# ----------------------------------------------------------------------------- the order the ranks draw
+
+
+def numbered_folder(root: Path, train: int, test: int, size: int = 8) -> None:
+    """Images whose first two channels spell their number (number % 256, number // 256), in the order the folder is
+    listed: class a's files, then class b's, each sorted by name."""
+    for split, count in (("train", train), ("test", test)):
+        for number in range(count):
+            folder = root / split / ("a" if number < count // 2 else "b")
+            folder.mkdir(parents=True, exist_ok=True)
+            pixels = np.full((size, size, 3), 60, np.uint8)
+            pixels[..., 0], pixels[..., 1] = number % 256, number // 256
+            Image.fromarray(pixels).save(folder / f"{number:05d}.png")
+
+
+def read_in_ranks(answers: str, *argv: str) -> int:
+    """Called in a process forked from the test server (conftest.call): 2 ranks, started by torch's elastic agent as a
+    run's are, load the data as a run does and record the images each one draws in epochs 1 and 2 and evaluates."""
+    distribute_tools.run_distribute(_read_rank, 2, list(argv), answers)
+    return 0
+
+
+def _read_rank(argv: list[str], answers: str) -> None:
+    cfg = settings.read(train_distribute, argv)
+    info = distribute_tools.setup(60)
+    train, test, record = data.load(cfg, info, torch.contiguous_format)
+    mean, std = torch.tensor(record["mean"]).view(1, 3, 1, 1), torch.tensor(record["std"]).view(1, 3, 1, 1)
+
+    def numbers(x: torch.Tensor) -> list[int]:
+        pixels = ((x * std + mean) * 255).round().long()[:, :, 0, 0]  # back from the normalisation
+        return (pixels[:, 0] + 256 * pixels[:, 1]).tolist()
+
+    drawn = {
+        str(epoch): [
+            n for x, _ in train.train_batches(cfg.BATCH_SIZE, 2, info.rank, cfg.SEED, epoch) for n in numbers(x)
+        ]
+        for epoch in (1, 2)
+    }
+    drawn["test"] = [n for x, _ in test.eval_batches(2, info.rank) for n in numbers(x)]
+    Path(answers, f"rank{info.rank}.json").write_text(json.dumps(drawn))
+    distribute_tools.cleanup()
+
+
+def sampler_order(images: int, rank: int, seed: int, epoch: int) -> list[int]:
+    """The share of `rank` of 2 in torch's DistributedSampler's shuffle of the epoch."""
+    sampler = DistributedSampler(range(images), 2, rank, shuffle=True, seed=seed, drop_last=True)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the_ranks_share(tmp_path):
+    """And an evaluation reads every test image exactly once: 11 of them, 6 on rank 0 and 5 on rank 1."""
+    numbered_folder(tmp_path / "images", train=96, test=11)
+    argv = ["--dataset=imagefolder", f"--data_dir={tmp_path / 'images'}", "--loader=stream", "--num_workers=1",
+            "--image_size=8", "--batch_size=16", "--augment=False", "--seed=3"]  # fmt: skip
+    result = call(f"{__name__}:read_in_ranks", str(tmp_path), *argv)
+    assert result.returncode == 0, result.stderr
+    drawn = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for epoch in ("1", "2"):
+        shards = [theirs[epoch] for theirs in drawn]
+        assert sorted(shards[0] + shards[1]) == list(range(96))  # every image once: 6 steps of 8 images per rank
+        for rank, shard in enumerate(shards):  # one shuffle of SEED and the epoch, each rank its part of it
+            assert shard == sampler_order(96, rank, seed=3, epoch=int(epoch))
+    assert drawn[0]["1"] != drawn[0]["2"] and drawn[1]["1"] != drawn[1]["2"]
+    assert drawn[0]["test"] + drawn[1]["test"] == list(range(11))
+
+
+# ----------------------------------------------------------------------------- both loaders, any image size
+
+
+@pytest.fixture(scope="module")
+def both_loaders(tiny_stream, tmp_path_factory) -> dict[tuple[str, int], Path]:
+    """tiny_stream's images (16x16 files) trained for 2 epochs on each loader, at 16x16 and stretched to 30x30, all
+    at once; their output folders."""
+    tmp = tmp_path_factory.mktemp("both-loaders")
+    folders = {(loader, size): tmp / f"{loader}-{size}" for loader in ("memory", "stream") for size in (16, 30)}
+    runs = {
+        (loader, size): launch(
+            *tiny_stream, f"--loader={loader}", f"--image_size={size}", "--epochs=2", f"--output_dir={folder}"
+        )
+        for (loader, size), folder in folders.items()
+    }
+    for (loader, size), run in runs.items():
+        out, err = run.communicate(timeout=HANG_TIMEOUT)
+        assert run.returncode == 0 and err == "", f"{loader} at {size}x{size}: {err}"
+        assert f"| loader {loader}" in lines(out)[0], out
+    return folders
+
+
+def test_own_image_folders_of_any_size_train_on_both_loaders(both_loaders):
+    for (loader, size), out in both_loaders.items():
+        assert csv_rows(out) == 2, (loader, size)
+        checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)
+        assert checkpoint["data"]["image_size"] == size and f"of {size}x{size}" in checkpoint["data"]["identity"]
+        assert checkpoint["data"]["classes"] == ["a", "b"]
+
+
+def test_both_loaders_normalise_with_the_same_statistics(both_loaders):
+    """The same sample of the same images, decoded alike: a run may change loader on resume."""
+    for size in (16, 30):
+        memory, stream = (torch.load(both_loaders[loader, size] / "checkpoint.pt", weights_only=True)["data"]
+                          for loader in ("memory", "stream"))  # fmt: skip
+        assert memory["mean"] == stream["mean"] and memory["std"] == stream["std"]
+        assert memory["identity"] == stream["identity"]
+
+
+def test_a_run_moves_from_the_memory_loader_to_the_stream_loader_on_resume(both_loaders, tiny_stream, tmp_path):
+    """Started on memory, stopped after epoch 1 (its checkpoint cut back), resumed on stream."""
+    folder = tmp_path / "out"
+    shutil.copytree(both_loaders["memory", 16], folder)
+    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
+    checkpoint.update(epoch=1, history=checkpoint["history"][:1])
+    torch.save(checkpoint, folder / "checkpoint.pt")
+    run = launch(*tiny_stream, "--loader=stream", "--epochs=2", f"--output_dir={folder}", "--resume=True")
+    out, err = run.communicate(timeout=HANG_TIMEOUT)
+    assert run.returncode == 0 and err == "", err
+    assert "resuming after epoch 1 of 2" in out and "| loader stream" in out
+    assert csv_rows(folder) == 2 and torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"] == 2
+
+
+# ----------------------------------------------------------------------------- a file that stops decoding
+
+
+def test_a_file_that_fails_to_decode_mid_run_stops_every_rank_in_one_line_naming_it(tiny_stream, tmp_path):
+    """The training file is cut short (its header whole) once the run has trained an epoch: its statistics sample
+    read it whole as the run started. The rank that draws it next says nothing alone: every rank stops at the end of
+    that pass over the data, the last epoch's files kept."""
+    images, folder = tmp_path / "images", tmp_path / "out"
+    shutil.copytree(data_dir(tiny_stream), images)
+    run = launch(*tiny_stream, f"--data_dir={images}", "--epochs=8", f"--output_dir={folder}")
+    wait_for_rows(folder, 1, run)
+    damaged = images / "train" / "b" / "0001.png"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    out, err = run.communicate(timeout=HANG_TIMEOUT)
+    assert run.returncode == 2, err
+    kept = torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"]
+    assert 1 <= kept < 8 and csv_rows(folder) == kept
+    assert lines(err) == [
+        f"error: 1 of 300 images cannot be read: {damaged}; put back good copies and resume; the files in {folder} "
+        f"are from epoch {kept}: continue with --resume True"
+    ]
+
+
+def test_a_test_image_that_fails_while_the_last_epochs_files_are_written_names_those_files(tiny_stream, tmp_path):
+    """Epoch 1's files take 2 s to write (TEST_SLOW_EPOCH); meanwhile epoch 2's evaluation meets a test image cut
+    short. Every rank stops, and the line names the epoch whose files the run leaves: epoch 1's, finished first."""
+    images, folder, marker = tmp_path / "images", tmp_path / "out", tmp_path / "writing"
+    shutil.copytree(data_dir(tiny_stream), images)
+    env = clean_env(TEST_SLOW_EPOCH="1", TEST_MARKER=str(marker))
+    run = launch(*tiny_stream, f"--data_dir={images}", "--epochs=8", f"--output_dir={folder}", env=env)
+    deadline = time.monotonic() + HANG_TIMEOUT
+    while not marker.exists():  # epoch 2 trains; its evaluation reads the test images next
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.01)
+    damaged = images / "test" / "b" / "0001.png"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    _, err = run.communicate(timeout=HANG_TIMEOUT)
+    assert run.returncode == 2, err
+    assert torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"] == 1 == csv_rows(folder)
+    assert lines(err) == [
+        f"error: 1 of 60 images cannot be read: {damaged}; put back good copies and resume; the files in {folder} "
+        f"are from epoch 1: continue with --resume True"
+    ]
