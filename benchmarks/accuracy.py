@@ -35,7 +35,9 @@ def run_once(data_dir: str, runs: str, row: str, seed: int) -> pd.DataFrame:
         command += ["--data_dir", data_dir, "--width", str(WIDTH), "--epochs", str(EPOCHS), "--seed", str(seed)]
         command += ["--world_size", "2", "--output_dir", out, "--resume", "False", *ROWS[row]]
         print(" ".join(command[1:]), flush=True)
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        code = subprocess.run(command, stdout=subprocess.DEVNULL).returncode  # its error line goes to stderr
+        if code != 0:
+            sys.exit(f"the run of row {row}, seed {seed} failed with exit code {code}")
     return pd.read_csv(csv)
 
 

@@ -9,16 +9,27 @@ many small kernels): raise the per-GPU batch, or try --compile.
 
 import argparse
 import os
+import socket
 import time
 
-import config
 import torch
-from processes import free_port
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import distribute_tools
 import train_distribute as td
-from distribute_tools import cleanup, setup
+from safeguards import settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -28,11 +39,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    info = setup(0, 1)
-    cfg = config.read_config(
-        td.__file__,
+    cfg = settings.read(
+        td,
         [
             "--dataset=synthetic",
             f"--synthetic_size={(args.steps + 5) * args.batch_size}",
@@ -42,27 +50,33 @@ def main() -> None:
             "--world_size=1",
         ],
     )
-    run = td.build_run(cfg, info, launched_at=time.time())
-    loss_fn = td.loss_function(cfg)
+    # this process is the run's one rank, as torchrun would start it
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    info = distribute_tools.setup()
+    run = td.build_run(cfg, info)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.LABEL_SMOOTHING)
     sums = torch.zeros(3, device=info.device)
     batches = run.train_data.train_batches(cfg.BATCH_SIZE, 1, 0, cfg.SEED, epoch=1)
     for _ in range(5):  # warm-up: cudnn's choice of kernels, the compiler, the allocator
         x, y = next(batches)
         td.train_step(run, x, y, 0.1, loss_fn, sums)
-    distribute_tools.synchronize(info.device)
+    synchronize(info.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
     with profile(activities=activities) as profiler:
         started = time.perf_counter()
         for x, y in batches:
             td.train_step(run, x, y, 0.1, loss_fn, sums)
-        distribute_tools.synchronize(info.device)
+        synchronize(info.device)
         wall = time.perf_counter() - started
     busy = busy_seconds(profiler)
     print(
         f"{args.steps} steps of width {args.width}, batch {args.batch_size}{', compiled' if args.compile else ''}: "
         f"{wall:.3f} s wall clock, GPU busy {busy:.3f} s, idle share {100 * max(0.0, 1 - busy / wall):.1f}%"
+        + ("" if info.device.type == "cuda" else " (no GPU here: the steps ran on the CPU)")
     )
-    cleanup(every_rank_leaves=True)
+    del run, batches
+    distribute_tools.cleanup()
 
 
 def busy_seconds(profiler: profile) -> float:

@@ -5,9 +5,9 @@
 
 memory  The peak memory of a whole run, launcher, ranks and DataLoader workers together: the sum of their PSS
         (/proc/PID/smaps_rollup, shared pages split between the processes that share them), sampled every 0.1 s
-        while `python train_distribute.py` trains an epoch at width 4 on 2,000 and on 8,000 training images of
-        DIR resized to 96x96 and saved again as JPEGs (quality 90), with 500 test images; once per loader. The
-        memory loader's decoded cache is built before its runs (once per machine, not what a run holds).
+        while `python train_distribute.py` trains an epoch at width 4 on 2,000 and on 8,000 (--memory_images)
+        training images of DIR resized to 96x96 and saved again as JPEGs (quality 90), with 500 (--test_images)
+        test images; once per loader. The memory loader decodes every image as its ranks start: that counts.
 speed   Training images/s of 2 ranks (--world_size) at width 64 (32x32 images) and width 8 (32x32 and 96x96): stream,
         memory and the seed's pipeline (torchvision's ImageFolder, ToTensor and Normalize per image, a DataLoader
         with a DistributedSampler and no workers, as the seed has it), each with the project's training step;
@@ -15,7 +15,9 @@ speed   Training images/s of 2 ranks (--world_size) at width 64 (32x32 images) a
         in-process decoding; the memory loader has none). Crops, flips and normalisation count as the step's:
         both loaders do them on the device alike (the seed's pipeline has none). The images: the first --images
         of DIR/train as they are (32x32) or resized to 96x96. Each run lasts about --seconds; each pipeline runs
-        --repeats times, in turns, and the fastest run counts (the machine disturbs the others more).
+        --repeats times, in turns, and the fastest run counts (the machine disturbs the others more). Each speed
+        run's ranks are forked from this process (torch's elastic agent, as `python train_distribute.py` starts
+        them) and train with train_distribute.build_run and train_step; data.reader is timed in them.
 """
 
 import argparse
@@ -31,17 +33,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import config  # noqa: E402
-import image_folder  # noqa: E402
-import loaders  # noqa: E402
-
+import data  # noqa: E402
 import distribute_tools  # noqa: E402
 import train_distribute as td  # noqa: E402
-from distribute_tools import process_group, run_distribute  # noqa: E402
+from safeguards import failures, settings  # noqa: E402
 
 PIPELINES = ("stream", "memory", "seed")
 
@@ -58,6 +59,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--runs", nargs="+", default=["64x32", "8x32", "8x96"], help="speed runs: WIDTHxSIZE")
     parser.add_argument("--pipelines", nargs="+", choices=PIPELINES, default=list(PIPELINES))
     parser.add_argument("--world_size", type=int, default=2, help="ranks of the speed runs (GPUs: one per GPU)")
+    parser.add_argument("--memory_images", type=int, nargs=2, default=[2_000, 8_000], help="training images of the "
+                        "two memory runs")  # fmt: skip
+    parser.add_argument("--test_images", type=int, default=500, help="test images of every run")
     return parser.parse_args()
 
 
@@ -90,11 +94,6 @@ def copy_of(data_dir: Path, work: Path, train: int, test: int, size: int) -> Pat
     return target
 
 
-def build_caches(folder: Path, size: int) -> None:
-    for split in ("train", "test"):
-        image_folder.ensure_decoded(str(folder / split), size)
-
-
 # ----------------------------------------------------------------------------- memory
 
 
@@ -120,31 +119,31 @@ def tree_pss_kb(root: int) -> int:
     return total
 
 
-def peak_memory_mb(folder: Path, loader: str, out: Path) -> float:
-    command = [sys.executable, str(ROOT / "train_distribute.py"), "--dataset=imagefolder", f"--data_dir={folder}",
-               f"--loader={loader}", "--image_size=96", "--width=4", "--batch_size=64", "--epochs=1",
-               "--world_size=2", f"--output_dir={out}", "--resume=False"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    peak = 0
-    while process.poll() is None:
-        peak = max(peak, tree_pss_kb(process.pid))
-        time.sleep(0.1)
+def peak_memory_mb(folder: Path, loader: str, work: Path) -> float:
+    with tempfile.TemporaryDirectory(dir=work) as out:
+        command = [sys.executable, str(ROOT / "train_distribute.py"), "--dataset=imagefolder", f"--data_dir={folder}",
+                   f"--loader={loader}", "--image_size=96", "--width=4", "--batch_size=64", "--epochs=1",
+                   "--world_size=2", f"--output_dir={out}"]  # fmt: skip
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        peak = 0
+        while process.poll() is None:
+            peak = max(peak, tree_pss_kb(process.pid))
+            time.sleep(0.1)
     if process.returncode != 0:
         sys.exit(f"{' '.join(command)} failed with exit code {process.returncode}")
     return peak / 1024
 
 
-def measure_memory(data_dir: Path, work: Path) -> dict:
-    sets = {train: copy_of(data_dir, work, train, 500, 96) for train in (2_000, 8_000)}
-    for folder in sets.values():
-        build_caches(folder, 96)
-    peaks = {(loader, train): peak_memory_mb(folder, loader, work / "out") for loader in ("stream", "memory")
+def measure_memory(data_dir: Path, work: Path, args: argparse.Namespace) -> dict:
+    small, big = args.memory_images
+    sets = {train: copy_of(data_dir, work, train, args.test_images, 96) for train in (small, big)}
+    peaks = {(loader, train): peak_memory_mb(folder, loader, work) for loader in ("stream", "memory")
              for train, folder in sets.items()}  # fmt: skip
     print("\npeak PSS of the whole run (MB), 96x96 images, 2 ranks on the CPU")
-    print(f"{'loader':8} {'2,000 images':>13} {'8,000 images':>13} {'growth':>8}")
+    print(f"{'loader':8} {f'{small:,} images':>13} {f'{big:,} images':>13} {'growth':>8}")
     for loader in ("stream", "memory"):
-        small, big = peaks[(loader, 2_000)], peaks[(loader, 8_000)]
-        print(f"{loader:8} {small:13,.0f} {big:13,.0f} {big / small - 1:8.0%}")
+        low, high = peaks[(loader, small)], peaks[(loader, big)]
+        print(f"{loader:8} {low:13,.0f} {high:13,.0f} {high / low - 1:8.0%}")
     return {f"{loader} {train}": mb for (loader, train), mb in peaks.items()}
 
 
@@ -162,6 +161,11 @@ class TimedBatches:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:  # the DataLoader's sampler, dataset, ...
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator:
         batches = iter(self.loader)
@@ -189,36 +193,49 @@ def seed_batches(folder: Path, local_batch: int, info: distribute_tools.DistInfo
         yield x.to(info.device).contiguous(memory_format=torch.channels_last), y.to(info.device)
 
 
-def speed_worker(rank: int, world_size: int, argv: list, pipeline: str, seconds: float, result: str) -> None:
-    reader = loaders.file_reader
-    loaders.file_reader = lambda *args, **kwargs: TimedBatches(reader(*args, **kwargs))
-    with process_group(rank, world_size) as info:
-        facts = timed_steps(config.read_config(td.__file__, argv), info, pipeline, seconds)
-        if info.is_main:
-            Path(result).write_text(json.dumps(facts))
+def speed_rank(argv: list, pipeline: str, seconds: float, result: str) -> None:
+    """One rank of a speed run (started by run_distribute): its line and exit code as the project's ranks."""
+    failures.run_rank(lambda: speed_worker(argv, pipeline, seconds, result))
+
+
+def speed_worker(argv: list, pipeline: str, seconds: float, result: str) -> None:
+    reader = data.reader
+    data.reader = lambda *args, **kwargs: TimedBatches(reader(*args, **kwargs))  # the stream loader's DataLoaders
+    info = distribute_tools.setup()
+    facts = timed_steps(settings.read(td, argv), info, pipeline, seconds)
+    if info.is_main:
+        Path(result).write_text(json.dumps(facts))
+    distribute_tools.cleanup()
 
 
 def timed_steps(cfg: Any, info: distribute_tools.DistInfo, pipeline: str, seconds: float) -> dict:
     """3 untimed steps, then as many as fill about `seconds`: images/s, and the share of that time spent waiting
     for DataLoader batches (crops, flips and normalisation are the step's, on either loader). The run ends with
     this call, before the group is left."""
-    run = td.build_run(cfg, info, launched_at=time.time())
+    run = td.build_run(cfg, info)
     if pipeline == "seed":
         batches = seed_batches(Path(cfg.DATA_DIR), cfg.BATCH_SIZE // info.world_size, info)
     else:
         batches = run.train_data.train_batches(cfg.BATCH_SIZE, info.world_size, info.rank, cfg.SEED, epoch=1)
-    sums, loss_fn = torch.zeros(3, device=info.device), td.loss_function(cfg)
+    sums, loss_fn = torch.zeros(3, device=info.device), nn.CrossEntropyLoss(label_smoothing=cfg.LABEL_SMOOTHING)
+
+    def synchronize() -> None:
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
 
     def steps(count: int) -> float:
-        distribute_tools.synchronize(info.device)
+        synchronize()
         started, TimedBatches.seconds = time.perf_counter(), 0.0
         for _ in range(count):
             x, y = next(batches)
             td.train_step(run, x, y, 0.1, loss_fn, sums)
-        distribute_tools.synchronize(info.device)
+        synchronize()
         return time.perf_counter() - started
 
-    count = torch.tensor([max(3, min(run.steps_per_epoch - 3, round(3 * seconds / steps(3))))], device=info.device)
+    count = torch.tensor(
+        [max(3, min(run.train_data.steps_per_epoch(cfg.BATCH_SIZE) - 3, round(3 * seconds / steps(3))))],
+        device=info.device,
+    )
     torch.distributed.broadcast(count, src=0)  # every rank takes as many steps
     facts = torch.tensor([steps(int(count.item())), TimedBatches.seconds], dtype=torch.float64, device=info.device)
     torch.distributed.all_reduce(facts, op=torch.distributed.ReduceOp.MAX)
@@ -229,17 +246,21 @@ def timed_steps(cfg: Any, info: distribute_tools.DistInfo, pipeline: str, second
 def measure_speed(data_dir: Path, work: Path, args: argparse.Namespace) -> dict:
     """Each pipeline --repeats times, in turns; the fastest of each (the one least disturbed by the machine)."""
     runs = [tuple(int(n) for n in run.split("x")) for run in args.runs]  # (width, image size)
-    folders = {size: copy_of(data_dir, work, args.images, 500, 0 if size == 32 else size) for _, size in runs}
+    folders = {size: copy_of(data_dir, work, args.images, args.test_images, 0 if size == 32 else size)
+               for _, size in runs}  # fmt: skip
     results: dict[tuple, dict] = {}
     for width, size in runs:
-        build_caches(folders[size], size)
         for _, pipeline in sorted((repeat, p) for repeat in range(args.repeats) for p in args.pipelines):
+            loader = "stream" if pipeline == "seed" else pipeline  # seed: the project's loader is built, never read
             argv = ["--dataset=imagefolder", f"--data_dir={folders[size]}", f"--image_size={size}",
                     f"--width={width}", f"--batch_size={args.batch_size}", f"--world_size={args.world_size}",
-                    f"--loader={'memory' if pipeline == 'seed' else pipeline}"]  # fmt: skip
+                    f"--loader={loader}"]  # fmt: skip
             with tempfile.NamedTemporaryFile(suffix=".json") as result:
-                if run_distribute(speed_worker, args.world_size, argv, pipeline, args.seconds, result.name) != 0:
-                    sys.exit(f"the {pipeline} run at width {width}, {size}x{size} failed")
+                try:
+                    distribute_tools.run_distribute(speed_rank, args.world_size, argv, pipeline, args.seconds,
+                                                    result.name)  # fmt: skip
+                except ChildFailedError as e:
+                    sys.exit(f"the {pipeline} run at width {width}, {size}x{size} failed: {failures.outcome(e)[1]}")
                 measured = json.loads(Path(result.name).read_text())
             best = results.get((width, size, pipeline))
             if best is None or measured["images_per_second"] > best["images_per_second"]:
@@ -261,10 +282,10 @@ def main() -> None:
     args = parse_args()
     data_dir, work = Path(args.data_dir).resolve(), Path(args.work)
     kind = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in Path("/proc/cpuinfo").read_text()]
-    print(f"{distribute_tools.cpu_cores()} cores, CPU bf16: {', '.join(kind) or 'none (AVX2 or older)'}, "
+    print(f"{len(os.sched_getaffinity(0))} cores, CPU bf16: {', '.join(kind) or 'none (AVX2 or older)'}, "
           f"torch {torch.__version__}")  # fmt: skip
     if args.only != "speed":
-        measure_memory(data_dir, work)
+        measure_memory(data_dir, work, args)
     if args.only != "memory":
         measure_speed(data_dir, work, args)
 

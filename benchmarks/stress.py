@@ -56,8 +56,10 @@ def ctrl_c_at_start(output_dir: str) -> str:
     run = subprocess.Popen(
         [*command, f"--output_dir={output_dir}"], stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
-    while len(subprocess.run(["pgrep", "-P", str(run.pid)], capture_output=True).stdout.split()) < 3:
-        time.sleep(0.005)  # the two ranks and multiprocessing's resource tracker
+    while len(subprocess.run(["pgrep", "-P", str(run.pid)], capture_output=True).stdout.split()) < 2:
+        if run.poll() is not None:  # ended before both ranks existed
+            break
+        time.sleep(0.005)  # the launcher's children: the two ranks, which torch's elastic agent starts
     os.killpg(run.pid, signal.SIGINT)
     _, err = run.communicate(timeout=60)
     lines = err.strip().splitlines()

@@ -215,7 +215,7 @@ def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format
     model = ResNet(args.width)
     checks.route_around_cpu_crashes(model, device)  # as the project
     model = model.to(device, memory_format=memory_format)
-    amp = args.amp.lower() in settings.TRUE and bf16_is_fast(device)
+    amp = args.amp.lower() in ("true", "1", "yes") and bf16_is_fast(device)  # as the settings read --amp
     cfg = settings.read(td, [f"--batch_size={args.batch_size}", *optimizer_setting(args)])
     optimizer = muon.make_optimizer(cfg, model, td.peak_lr(cfg), device, amp)
     step_model = torch.compile(model) if args.compile else model
