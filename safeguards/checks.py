@@ -68,9 +68,9 @@ def before_start(
 
 
 def route_around_cpu_crashes(model: torch.nn.Module, device: torch.device) -> None:
-    """On AVX-512 CPUs oneDNN's channels_last weight gradient of a strided 1x1 convolution with at most 8 input
-    channels corrupts the heap (docs/cpu-kinds.md). On CPUs such a convolution takes every stride-th pixel first and
-    then runs with stride 1: the same function through another kernel."""
+    """On x86 CPUs (AVX-512, and AVX2 too) oneDNN's channels_last weight gradient of a strided 1x1 convolution with
+    at most 8 input channels corrupts the heap (docs/cpu-kinds.md). On CPUs such a convolution takes every stride-th
+    pixel first and then runs with stride 1: the same function through another kernel."""
     for conv in model.modules() if device.type == "cpu" else ():
         if isinstance(conv, torch.nn.Conv2d) and conv.kernel_size == (1, 1) and conv.padding in ((0, 0), "valid"):
             if conv.stride != (1, 1) and conv.in_channels <= 8:

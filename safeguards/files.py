@@ -74,8 +74,8 @@ def write_failure(error: Exception, output_dir: str) -> str:
     """Why a write failed, what to do, and which checkpoint there is to continue from."""
     where = getattr(error, "filename", None) or f"the files in {output_dir}"
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]  # torch.save reports it without its cause
-    if getattr(error, "errno", None) == errno.EFBIG or (
-        limit != resource.RLIM_INFINITY and not isinstance(error, OSError)
+    if limit != resource.RLIM_INFINITY and (
+        getattr(error, "errno", None) == errno.EFBIG or not isinstance(error, OSError)
     ):
         reason, fix = f"the file size limit, ulimit -f, is {limit // 1024} KB", "raise it (ulimit -f unlimited)"
     elif isinstance(error, OSError) and error.strerror:

@@ -29,7 +29,7 @@ def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
     """The settings of `script` with the command line's overrides applied, each checked."""
     with open(script.__file__, encoding="utf-8") as f:  # each setting's --help is the comment on its line
         comments = dict(re.findall(r"^([A-Z][A-Z0-9_]*): .*?  # (.*)$", f.read(), re.MULTILINE))
-    parser = _OneLineParser(description=(script.__doc__ or "").split("\n")[0])
+    parser = _OneLineParser(description=(script.__doc__ or "").split("\n")[0], allow_abbrev=False)
     for name, kind in ((n, k) for n, k in script.__annotations__.items() if n.isupper()):
         default, choices = getattr(script, name), typing.get_args(kind) or None
         kind = type(choices[0]) if choices else kind

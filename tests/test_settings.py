@@ -92,20 +92,19 @@ def test_help_lists_every_setting_with_its_default_choices_and_comment(capsys, m
         choices, default = typing.get_args(kind), getattr(td, name)
         metavar = "{" + ",".join(choices) + "}" if choices else "[BOOL]" if kind is bool else kind.__name__.upper()
         assert f"--{name.lower()} {metavar} {comments[name]} (default: {default})" in text, name
-    assert text.startswith("usage: train_distribute.py")
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--epochs=2.5"], "--epochs=2.5 is not an integer; e.g. --epochs 1"),
-        (["--lr=abc"], "--lr=abc is not a number; e.g. --lr 0.1"),
+        (["--epochs=2.5"], "--epochs=2.5 is not an integer, e.g. 1"),
+        (["--lr=abc"], "--lr=abc is not a number, e.g. 0.1"),
         (["--lr=nan"], "--lr=nan is not a number"),
         (["--lr=inf"], "--lr=inf is not a number"),
-        (["--resume=maybe"], "--resume=maybe is not True or False; e.g. --resume True"),
-        (["--epochs=0"], "EPOCHS=0 on the command line is out of range: it must be positive"),
-        (["--batch_size=-4"], "BATCH_SIZE=-4 on the command line is out of range: it must be positive"),
-        (["--lr=0"], "LR=0.0 on the command line is out of range: it must be positive"),
+        (["--resume=maybe"], "--resume=maybe is not True or False"),
+        (["--epochs=0"], "EPOCHS=0 on the command line is out of range: it must be at least 1"),
+        (["--batch_size=-4"], "BATCH_SIZE=-4 on the command line is out of range: it must be at least 1"),
+        (["--lr=0"], "LR=0.0 on the command line is out of range: it must be at least 1e-12"),
         (["--warmup=1.5"], "WARMUP=1.5 on the command line is out of range: it must be from 0 to 1"),
         (["--momentum=1"], "MOMENTUM=1.0 on the command line is out of range: it must be from 0 to 0.999"),
         (["--num_workers=-2"], "NUM_WORKERS=-2 on the command line is out of range: it must be at least -1"),

@@ -1,0 +1,411 @@
+"""Rank 0's files (safeguards/files.py) and the file side of starting a run (safeguards/start.py): atomic writes, the
+background writer and its failures, earlier results moved aside, one run per folder, and the start rule. In-process
+where no rank is needed; a second process where the point is another process."""
+
+import errno
+import os
+import resource
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from safeguards import files, start
+from safeguards.failures import UserError
+from tests.conftest import read_config
+
+RESTART_AND_RUN_IDS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+
+
+def row(epoch: int) -> dict:
+    return {"epoch": epoch, "loss": 2.0 / epoch, "acc": 0.1 * epoch, "test_loss": 1.5 / epoch, "train_acc": 0.1,
+            "lr": 0.1, "epoch_seconds": 1.0}  # fmt: skip
+
+
+def checkpoint(epoch: int) -> dict:
+    return {
+        "model": {"w": torch.full((3,), float(epoch))},
+        "epoch": epoch,
+        "history": [row(e) for e in range(1, epoch + 1)],
+    }
+
+
+def run_epochs(writer: files.ResultWriter, epochs: range) -> list[dict]:
+    """What train() does with the writer each epoch: wait for the previous epoch's files, then hand over its own."""
+    history = []
+    for epoch in epochs:
+        writer.wait()
+        history.append(row(epoch))
+        writer.submit(checkpoint(epoch), history)
+    return history
+
+
+@pytest.fixture
+def pictures(monkeypatch) -> list[int]:
+    """The rows of each picture the writer draws, instead of drawing it (matplotlib takes a second to a picture)."""
+    drawn: list[int] = []
+    monkeypatch.setattr(files, "plot", lambda history, folder: drawn.append(len(history)))
+    return drawn
+
+
+def slow_csv(monkeypatch, seconds: float) -> None:
+    """Every CSV write takes `seconds` longer."""
+    write_csv = files.write_csv
+    monkeypatch.setattr(files, "write_csv", lambda history, folder: (time.sleep(seconds), write_csv(history, folder)))
+
+
+def failing_csv(monkeypatch, error: Exception, epoch: int) -> None:
+    """The CSV write of `epoch` raises `error`; the others are written."""
+    write_csv = files.write_csv
+
+    def write(history: list, folder: str) -> None:
+        if len(history) == epoch:
+            raise error
+        write_csv(history, folder)
+
+    monkeypatch.setattr(files, "write_csv", write)
+
+
+def failed_write(folder: Path, monkeypatch, error: Exception) -> str:
+    """The writer's line when the first epoch's files fail to write with `error`."""
+    failing_csv(monkeypatch, error, epoch=1)
+    writer = files.ResultWriter(str(folder))
+    writer.submit(checkpoint(1), [row(1)])
+    with pytest.raises(UserError) as raised:
+        writer.wait()
+    writer.close()
+    assert "\n" not in str(raised.value)
+    return str(raised.value)
+
+
+def full_disk(path: Path) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def test_a_failed_write_leaves_the_previous_file_whole(tmp_path):
+    target = tmp_path / "pytorch_res.csv"
+    files.write_atomically(str(target), lambda tmp: Path(tmp).write_text("epoch\n1\n"))
+
+    def crash_halfway(tmp: str) -> None:
+        Path(tmp).write_text("epo")
+        raise full_disk(tmp)
+
+    with pytest.raises(OSError):
+        files.write_atomically(str(target), crash_halfway)
+    assert target.read_text() == "epoch\n1\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["pytorch_res.csv"]  # no temporary left behind
+
+
+def test_the_writer_writes_checkpoint_csv_and_picture(tmp_path):
+    writer = files.ResultWriter(str(tmp_path))
+    history = run_epochs(writer, range(1, 4))
+    writer.close()
+    saved = files.load_checkpoint(str(tmp_path))
+    assert saved["epoch"] == 3 and torch.equal(saved["model"]["w"], torch.full((3,), 3.0))
+    assert files.checkpoint_epoch(str(tmp_path)) == 3
+    assert pd.read_csv(tmp_path / files.CSV_NAME).to_dict("records") == history
+    assert (tmp_path / files.PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files.RESULT_FILES)
+
+
+def test_close_waits_for_the_pending_files(tmp_path, monkeypatch, pictures):
+    slow_csv(monkeypatch, 0.3)
+    writer = files.ResultWriter(str(tmp_path))
+    writer.submit(checkpoint(1), [row(1)])
+    writer.close()
+    assert len(pd.read_csv(tmp_path / files.CSV_NAME)) == 1 and pictures == [1]
+
+
+def test_the_checkpoint_lands_before_the_csv_row(tmp_path, monkeypatch, pictures):
+    """A kill -9 between the two leaves a checkpoint ahead of the CSV (rebuilt from it on resume), never behind."""
+    seen, write_csv = [], files.write_csv
+
+    def write(history: list, folder: str) -> None:
+        seen.append((len(history), files.checkpoint_epoch(folder)))
+        write_csv(history, folder)
+
+    monkeypatch.setattr(files, "write_csv", write)
+    writer = files.ResultWriter(str(tmp_path))
+    run_epochs(writer, range(1, 4))
+    writer.close()
+    assert seen == [(1, 1), (2, 2), (3, 3)]
+
+
+def test_wait_returns_once_the_previous_epochs_files_are_on_disk_and_says_how_long_it_took(
+    tmp_path, monkeypatch, pictures
+):
+    slow_csv(monkeypatch, 0.5)
+    writer = files.ResultWriter(str(tmp_path))
+    writer.submit(checkpoint(1), [row(1)])
+    assert not (tmp_path / files.CSV_NAME).exists()  # still being written: training goes on meanwhile
+    assert writer.wait() >= 0.4
+    assert len(pd.read_csv(tmp_path / files.CSV_NAME)) == 1 and files.checkpoint_epoch(str(tmp_path)) == 1
+    assert writer.wait() < 0.1  # nothing pending
+    writer.close()
+
+
+def test_the_checkpoint_is_the_state_when_it_was_handed_over(tmp_path, monkeypatch, pictures):
+    """Training changes the weights while the files are written: the file holds them as they were."""
+    slow_csv(monkeypatch, 0.2)
+    weights = torch.zeros(4)
+    writer = files.ResultWriter(str(tmp_path))
+    writer.submit({"model": {"w": weights}, "epoch": 1}, [row(1)])
+    weights += 1
+    writer.close()
+    assert files.load_checkpoint(str(tmp_path))["model"]["w"].sum() == 0
+
+
+# ----------------------------------------------------------------------------- a write that fails
+
+
+def test_a_full_disk_is_one_line_naming_the_file(tmp_path, monkeypatch, pictures):
+    message = failed_write(tmp_path, monkeypatch, full_disk(tmp_path / files.CSV_NAME))
+    assert message == (
+        f"could not write {tmp_path / files.CSV_NAME} (No space left on device); free space or choose another "
+        f"--output_dir, then continue with --resume True (the checkpoint of epoch 1 is kept)"
+    )
+
+
+def test_a_failed_write_before_any_checkpoint_says_to_start_again(tmp_path):
+    message = files.write_failure(full_disk(tmp_path / files.CHECKPOINT_NAME), str(tmp_path))
+    assert message.startswith(f"could not write {tmp_path / files.CHECKPOINT_NAME} (No space left on device)")
+    assert message.endswith("then start the run again") and "--resume" not in message
+
+
+def test_a_failed_write_names_the_checkpoint_that_is_kept(tmp_path, monkeypatch, pictures):
+    torch.save(checkpoint(4), tmp_path / files.CHECKPOINT_NAME)
+    monkeypatch.setattr(files.torch, "save", lambda *args: (_ for _ in ()).throw(full_disk(tmp_path / "x")))
+    writer = files.ResultWriter(str(tmp_path))
+    writer.submit(checkpoint(5), [row(e) for e in range(1, 6)])
+    with pytest.raises(UserError, match=r"then continue with --resume True \(the checkpoint of epoch 4 is kept\)$"):
+        writer.wait()
+    writer.close()
+    assert files.checkpoint_epoch(str(tmp_path)) == 4 and not list(tmp_path.glob("*.tmp*"))
+
+
+def test_a_write_error_without_its_cause_is_one_line_too(tmp_path, monkeypatch, pictures):
+    """torch.save reports a failed write as a RuntimeError, not an OSError."""
+    error = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 7040 vs 6976\nmore")
+    message = failed_write(tmp_path, monkeypatch, error)
+    assert message.startswith(f"could not write the files in {tmp_path} (RuntimeError: [enforce fail at inline_")
+    assert "check the disk and its free space" in message
+
+
+def test_a_file_size_limit_by_errno_is_named_as_such(tmp_path, monkeypatch):
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**30, hard))  # ulimit -f 1048576, for this test only
+    try:
+        message = files.write_failure(OSError(errno.EFBIG, os.strerror(errno.EFBIG), "/out/x.pt"), str(tmp_path))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert message.startswith("could not write /out/x.pt (the file size limit, ulimit -f, is 1048576 KB); raise it")
+
+
+def test_a_file_too_large_for_the_file_system_blames_no_ulimit(tmp_path):
+    """EFBIG without a file size limit: the file system's own maximum (FAT32's 4 GiB, say)."""
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY
+    message = files.write_failure(OSError(errno.EFBIG, os.strerror(errno.EFBIG), "/out/x.pt"), str(tmp_path))
+    assert message.startswith("could not write /out/x.pt (File too large)") and "ulimit" not in message, message
+
+
+def test_a_file_size_limit_is_named_as_such(tmp_path, pictures):
+    """ulimit -f: torch.save fails with a RuntimeError that does not say why; the line names the limit, not a full
+    disk. (The limit holds for this process during the write only; Python ignores SIGXFSZ, so the write fails.)"""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    writer = files.ResultWriter(str(tmp_path))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (65536, hard))  # ulimit -f 64
+    try:
+        writer.submit({"model": {"w": torch.zeros(200_000)}, "epoch": 1}, [row(1)])  # 800 kB
+        with pytest.raises(UserError) as raised:
+            writer.wait()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    writer.close()
+    assert str(raised.value) == (
+        f"could not write the files in {tmp_path} (the file size limit, ulimit -f, is 64 KB); raise it "
+        f"(ulimit -f unlimited), then start the run again"
+    )
+    assert list(tmp_path.iterdir()) == [] and pictures == []
+
+
+def test_after_a_failed_write_close_draws_only_the_rows_on_disk(tmp_path, monkeypatch, pictures):
+    monkeypatch.setattr(files, "PLOT_SHARE", 1e-9)  # after the first picture, none until close()
+    failing_csv(monkeypatch, full_disk(tmp_path / files.CSV_NAME), epoch=3)
+    writer = files.ResultWriter(str(tmp_path))
+    with pytest.raises(UserError):
+        run_epochs(writer, range(1, 5))  # epoch 3's files fail; training learns it as epoch 4 waits
+    writer.close()
+    assert pictures == [1, 2]  # the first epoch's picture, then close() draws the two epochs the CSV holds
+    assert len(pd.read_csv(tmp_path / files.CSV_NAME)) == 2
+
+
+# ----------------------------------------------------------------------------- earlier results
+
+
+def test_earlier_results_move_aside_and_nothing_else_moves(tmp_path):
+    for name in files.RESULT_FILES:
+        (tmp_path / name).write_text(name)
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "previous-elsewhere").mkdir()
+    moved = Path(start.move_aside(str(tmp_path)))
+    assert moved.parent == tmp_path and moved.name.startswith("previous-")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["notes.txt"]
+    assert {p.name: p.read_text() for p in moved.iterdir()} == {name: name for name in files.RESULT_FILES}
+
+
+def test_moving_aside_never_overwrites_an_earlier_move(tmp_path):
+    stamp = time.time() - 3600
+    moved = []
+    for run in ("first", "second", "third"):
+        (tmp_path / files.CSV_NAME).write_text(run)
+        os.utime(tmp_path / files.CSV_NAME, (stamp, stamp))  # the same second: the same folder name
+        moved.append(start.move_aside(str(tmp_path)))
+    assert len(set(moved)) == 3
+    assert [Path(folder, files.CSV_NAME).read_text() for folder in moved] == ["first", "second", "third"]
+
+
+def test_nothing_to_move_aside_moves_nothing(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert start.move_aside(str(tmp_path)) is None and [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+# ----------------------------------------------------------------------------- one run per folder
+
+
+@contextmanager
+def another_process_holding(folder: Path) -> Iterator[int]:
+    """A forked process that holds the lock on `folder` until it is killed (its process id)."""
+    marker = folder.parent / f"{folder.name}-held"
+    pid = os.fork()
+    if pid == 0:  # the child: no torch, no test, only the lock
+        try:
+            held = start.lock(str(folder), wait_s=0)
+            marker.write_text("held")
+            time.sleep(600)
+            held.release()
+        finally:
+            os._exit(0)
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists():
+            assert os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline, "the lock was not taken"
+            time.sleep(0.01)
+        yield pid
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_a_second_lock_is_refused_in_one_line_and_a_lock_dies_with_its_process(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    with another_process_holding(folder):
+        with pytest.raises(UserError) as refusal:
+            start.lock(str(folder), wait_s=0)
+        in_use = f"OUTPUT_DIR {folder} is in use by another run; wait for it to end or choose another"
+        assert str(refusal.value) == in_use
+        with pytest.raises(UserError, match="is in use by another run"):
+            start.lock(str(folder), wait_s=0.3)  # a restart's short wait for its previous attempt: still refused
+    start.lock(str(folder), wait_s=0).release()  # the holder was killed with SIGKILL: the kernel released its lock
+
+
+def test_an_output_dir_that_cannot_hold_the_lock_is_one_line(tmp_path):
+    (tmp_path / ".lock").mkdir()  # as unwritable as a read-only file system, even for root
+    with pytest.raises(UserError, match=f"^OUTPUT_DIR {tmp_path} is not writable \\(Is a directory\\); choose another"):
+        start.lock(str(tmp_path), wait_s=0)
+
+
+# ----------------------------------------------------------------------------- the start rule
+
+
+@pytest.fixture
+def first_start(monkeypatch) -> pytest.MonkeyPatch:
+    """No restart count and no run id in the environment: a user's first start."""
+    for name in RESTART_AND_RUN_IDS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def saved_by(argv: list[str], epoch: int, **run_ids: str) -> dict:
+    return {"config": vars(read_config(argv)), "epoch": epoch, "run_ids": run_ids, "history": []}
+
+
+RUN = ["--epochs=5", "--output_dir=/runs/a"]
+
+
+@pytest.mark.parametrize(
+    "env, resume, saved, kind",
+    [
+        ({}, False, None, "new"),
+        ({}, False, saved_by(RUN, 2), "new"),  # a checkpoint there is an earlier run's: moved aside, not continued
+        ({"TORCHELASTIC_RESTART_COUNT": "0"}, False, saved_by(RUN, 2), "new"),  # torchrun's first attempt
+        ({}, True, saved_by(RUN, 2), "resume"),
+        ({}, True, saved_by(RUN, 5), "finished"),
+        ({}, True, saved_by(RUN, 2, torchrun="another"), "resume"),  # --resume continues whatever is there
+        ({"TORCHELASTIC_RESTART_COUNT": "1"}, False, None, "new"),  # a restart before the first checkpoint
+        ({"TORCHELASTIC_RESTART_COUNT": "1"}, False, saved_by(RUN, 2), "resume"),
+        ({"TORCHELASTIC_RESTART_COUNT": "2"}, False, saved_by(RUN, 5), "finished"),
+        (
+            {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_RUN_ID": "r1"},
+            False,
+            saved_by(RUN, 2, torchrun="r1"),
+            "resume",
+        ),  # fmt: skip
+        (
+            {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_RUN_ID": "r2"},
+            False,
+            saved_by(RUN, 2, torchrun="r1"),
+            "new",
+        ),  # fmt: skip
+        ({"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_RUN_ID": "r2"}, False, saved_by(RUN, 2), "new"),
+        ({"SLURM_RESTART_COUNT": "1", "SLURM_JOB_ID": "77"}, False, saved_by(RUN, 2, slurm="77"), "resume"),
+        ({"SLURM_RESTART_COUNT": "1", "SLURM_JOB_ID": "78"}, False, saved_by(RUN, 2, slurm="77"), "new"),
+        (
+            {"SLURM_RESTART_COUNT": "1", "SLURM_JOB_ID": "77", "TORCHELASTIC_RUN_ID": "new-attempt"},
+            False,
+            saved_by(RUN, 2, slurm="77", torchrun="old-attempt"),
+            "resume",
+        ),  # fmt: skip
+    ],
+)
+def test_the_start_rule(first_start, env, resume, saved, kind):
+    for name, value in env.items():
+        first_start.setenv(name, value)
+    assert start.decide(read_config([*RUN, f"--resume={resume}"]), saved) == kind
+
+
+def test_resume_without_a_checkpoint_is_refused_in_one_line(first_start, tmp_path):
+    with pytest.raises(UserError) as refusal:
+        start.decide(read_config([f"--output_dir={tmp_path}", "--resume"]), None)
+    message = str(refusal.value)
+    assert message.startswith(f"RESUME=True but there is no {tmp_path / files.CHECKPOINT_NAME}; ")
+    assert "\n" not in message and "a later run moved" not in message
+
+
+def test_resume_without_a_checkpoint_names_where_a_later_run_moved_it(first_start, tmp_path):
+    (tmp_path / files.CHECKPOINT_NAME).write_bytes(b"an earlier run's")
+    moved = start.move_aside(str(tmp_path))
+    with pytest.raises(UserError, match=f"a later run moved the last one to {moved}: move its files back"):
+        start.decide(read_config([f"--output_dir={tmp_path}", "--resume"]), None)
+
+
+def test_resume_with_other_settings_is_refused(first_start):
+    with pytest.raises(UserError, match="^RESUME=True but EPOCHS=8 differs from the checkpoint's 5; resume with"):
+        start.decide(read_config(["--epochs=8", "--output_dir=/runs/a", "--resume"]), saved_by(RUN, 2))
+
+
+@pytest.mark.parametrize("count", ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"])
+def test_a_restart_with_other_settings_is_refused_in_restart_words(first_start, count):
+    first_start.setenv(count, "3")
+    with pytest.raises(UserError) as refusal:
+        start.decide(read_config(["--epochs=8", "--output_dir=/runs/a"]), saved_by(RUN, 2))
+    assert str(refusal.value).startswith(f"this start is a restart ({count}=3) of the run in /runs/a, whose checkpoint")
+    assert "--resume" not in str(refusal.value)

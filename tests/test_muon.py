@@ -1,0 +1,93 @@
+"""Muon (muon.py): the orthogonalisation, the optimizer that applies it to the convolution filters only, and the
+ranks' split of its work."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import distribute_tools
+import muon
+from tests.conftest import call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_orthogonalise_makes_every_singular_value_about_one(dtype):
+    g = torch.Generator().manual_seed(0)
+    for shape in ((16, 144), (64, 32), (8, 8)):
+        u, _, v = torch.linalg.svd(torch.randn(shape, generator=g), full_matrices=False)
+        matrix = u @ torch.diag(torch.logspace(0, -1.3, min(shape))) @ v  # singular values from 1 to 0.05
+        result = muon.orthogonalise(matrix, dtype)
+        values = torch.linalg.svdvals(result)
+        assert result.dtype == torch.float32 and result.shape == matrix.shape
+        assert values.min() > 0.5 and values.max() < 1.3, values  # Newton-Schulz's five steps: a band around 1
+        inside = u.T @ result @ v.T  # in the matrix's own singular directions: diagonal, the directions kept
+        assert (inside - torch.diag(inside.diagonal())).abs().max() < 0.05 and inside.diagonal().min() > 0.5
+
+
+def test_filters_step_orthogonalised_and_the_rest_as_nesterov_sgd():
+    g = torch.Generator().manual_seed(1)
+    conv = torch.nn.Parameter(torch.randn(8, 4, 3, 3, generator=g))
+    bias = torch.nn.Parameter(torch.randn(8, generator=g))
+    twin = torch.nn.Parameter(bias.detach().clone())
+    optimizer = muon.MuonSGD([conv, bias], lr=0.1, momentum=0.9, weight_decay=0.0, muon_scale=0.2, bf16=False)
+    sgd = torch.optim.SGD([twin], lr=0.1, momentum=0.9, nesterov=True)
+    before = conv.detach().clone()
+    for _ in range(2):
+        conv.grad, bias.grad = torch.randn(8, 4, 3, 3, generator=g), torch.randn(8, generator=g)
+        twin.grad = bias.grad.clone()
+        optimizer.step()
+        sgd.step()
+    assert torch.allclose(bias, twin, atol=1e-6)  # not a filter: plain Nesterov SGD
+    values = torch.linalg.svdvals((conv - before).reshape(8, -1))
+    assert values.max() / values.min() < 3  # every direction moved by about as much
+
+
+def test_weight_decay_is_sgds_l2_penalty():
+    g = torch.Generator().manual_seed(2)
+    bias = torch.nn.Parameter(torch.randn(8, generator=g))
+    twin = torch.nn.Parameter(bias.detach().clone())
+    optimizer = muon.MuonSGD([bias], lr=0.1, momentum=0.9, weight_decay=5e-2, muon_scale=0.2, bf16=False)
+    sgd = torch.optim.SGD([twin], lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-2)
+    for _ in range(3):
+        bias.grad = torch.randn(8, generator=g)
+        twin.grad = bias.grad.clone()
+        optimizer.step()
+        sgd.step()
+    assert torch.allclose(bias, twin, atol=1e-6)
+
+
+def muon_steps(seed: int = 0) -> list[torch.Tensor]:
+    """Three Muon steps on filter banks of several shapes (wide, tall, 1x1) and a bias, from seeded gradients."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(8, 3, 3, 3), (16, 8, 3, 3), (32, 8, 1, 1), (24, 16, 3, 3), (16,)]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in shapes]
+    optimizer = muon.MuonSGD(params, lr=0.1, momentum=0.9, weight_decay=5e-4, muon_scale=0.2, bf16=False)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        optimizer.step()
+    return [p.detach() for p in params]
+
+
+def muon_rank(out_dir: str) -> None:
+    """One rank: Muon's steps in a process group, where each rank orthogonalises a share of the filter banks."""
+    info = distribute_tools.setup(60)
+    torch.save(muon_steps(), Path(out_dir, f"rank{info.rank}.pt"))
+    distribute_tools.cleanup()
+
+
+def muon_on_two_ranks(out_dir: str) -> int:
+    """What the test runs (tests.conftest.call): muon_rank on 2 ranks, started as the launcher starts a run's."""
+    distribute_tools.run_distribute(muon_rank, 2, out_dir)
+    return 0
+
+
+def test_ranks_split_the_orthogonalisation_and_end_with_the_same_weights_as_one_process(tmp_path):
+    result = call("tests.test_muon:muon_on_two_ranks", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    alone = muon_steps()  # no process group: this process orthogonalises every filter bank itself
+    for rank in (0, 1):
+        shared = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for a, b in zip(shared, alone, strict=True):
+            assert torch.allclose(a, b, atol=1e-5), rank
