@@ -105,7 +105,7 @@ def orthogonalise_shared(updates: list[torch.Tensor], dtype: torch.dtype) -> lis
 def make_optimizer(
     cfg: Any, model: torch.nn.Module, lr: float, device: torch.device, bf16: bool
 ) -> torch.optim.Optimizer:
-    """One fused kernel per step on GPUs, foreach (a few batched kernels) elsewhere; Muon: below."""
+    """One fused kernel per step on GPUs, foreach (a few batched kernels) elsewhere; Muon: MuonSGD above."""
     if cfg.OPTIMIZER == "muon":
         return MuonSGD(model.parameters(), lr, cfg.MOMENTUM, cfg.WEIGHT_DECAY, cfg.MUON_SCALE, bf16)
     options: dict[str, Any] = {"lr": lr, "weight_decay": cfg.WEIGHT_DECAY}

@@ -201,23 +201,26 @@ def wait_for(condition, timeout: float, message: str) -> None:
 
 
 def readme_script() -> str:
-    """The ```bash block after README's "SLURM, with requeue" paragraph."""
+    """README's SLURM batch script: its ```bash block that starts with #!/bin/bash and #SBATCH lines."""
     readme = (ROOT / "README.md").read_text()
-    found = re.search(r"\*\*SLURM, with requeue.*?```bash\n(.*?)```", readme, re.DOTALL)
-    assert found, "README.md has no ```bash block after its **SLURM, with requeue** paragraph"
-    return found.group(1)
+    found = re.findall(r"```bash\n(#!/bin/bash\n#SBATCH .*?)```", readme, re.DOTALL)
+    assert len(found) == 1, f"README.md has {len(found)} ```bash blocks that start with #!/bin/bash and #SBATCH"
+    return found[0]
 
 
-def batch_script(time_limit: str, signal_offset: int, settings: list[str]) -> str:
-    """README's script with this machine's resources (one CPU per node, no GPU), another time limit and signal
-    offset, one rank per node, and these training settings. Nothing else changes."""
+def batch_script(time_limit: str, settings: list[str]) -> str:
+    """README's script with this machine's resources (one CPU per node, no GPU, one rank per node, both nodes
+    127.0.0.1, a free port), another time limit, and these training settings. Nothing else changes."""
     script = readme_script()
     for pattern, new in (
         (r" --gpus-per-node=\S+", ""),
         (r"--cpus-per-task=\S+", "--cpus-per-task=1"),
         (r"--time=\S+", f"--time={time_limit}"),
-        (r"(--signal=B:USR1@)\d+", rf"\g<1>{signal_offset}"),
         (r"--nproc_per_node=\d+", "--nproc_per_node=1"),
+        # a free port for the rendezvous, and the address each torchrun gives the others (else the machine's full
+        # name, which may not resolve here)
+        (r'(--rdzv_endpoint="\$head:)\d+"', rf'\g<1>{free_port()}"'),
+        (r'(--rdzv_id="\$SLURM_JOB_ID")', r"\1 --local_addr=127.0.0.1"),
         (r'(--output_dir="runs/\$SLURM_JOB_ID")', r"\1 " + " ".join(settings)),
     ):
         script, count = re.subn(pattern, new, script)
