@@ -171,18 +171,16 @@ def describe(model: torch.nn.Module, cfg: Any, info: Any, data: dict, steps: int
 
 
 def epoch_line(row: dict, epochs: int) -> str:
+    shown = f"loss {row['loss']:.4f}  acc {row['acc']:.4f}  test_loss {row['test_loss']:.4f}  lr {row['lr']:.4g}"
     return (
-        f"epoch {row['epoch']}/{epochs}  loss {row['loss']:.4f}  acc {row['acc']:.4f}  test_loss {row['test_loss']:.4f}"
-        f"  lr {row['lr']:.4g}  {row['epoch_seconds']:.1f} s  {row['images_per_second']:,.0f} img/s"
+        f"epoch {row['epoch']}/{epochs}  {shown}  {row['epoch_seconds']:.1f} s  {row['images_per_second']:,.0f} img/s"
     )
 
 
 def summary_line(history: list[dict], output_dir: str) -> str:
-    best = max(history, key=lambda row: row["acc"])
-    return (
-        f"done: {len(history)} epochs; best acc {best['acc']:.4f} (epoch {best['epoch']}), final acc "
-        f"{history[-1]['acc']:.4f}; results in {output_dir}"
-    )
+    best, last = max(history, key=lambda row: row["acc"]), history[-1]
+    accuracy = f"best acc {best['acc']:.4f} (epoch {best['epoch']}), final acc {last['acc']:.4f}"
+    return f"done: {len(history)} epochs; {accuracy}; results in {output_dir}"
 
 
 def progress(batches: Any, steps: int, title: str, is_main: bool) -> Any:

@@ -37,7 +37,8 @@ from tests.conftest import (
 ARGS = TINY[:-1]  # torchrun decides the number of ranks
 # torch's shared rendezvous store makes a restart hang (pytorch#135712): README's commands set this too
 ENV = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-TORCHRUN_OWN = ("*****", "Setting OMP_NUM_THREADS", "<frozen runpy>")  # its banner, and runpy's note on `-m`
+# torchrun's banner (on torch 2.4 its logger's name is a line of its own), and runpy's note on `-m`
+TORCHRUN_OWN = ("*****", "Setting OMP_NUM_THREADS", "<frozen runpy>", "WARNING:__main__:")
 TIMINGS = ("epoch_seconds", "elapsed_seconds", "images_per_second", "peak_memory_mb", "write_wait_seconds")
 
 
