@@ -40,6 +40,7 @@ class Stopped(BaseException):
 
 
 _received: list[int] = []  # the stop signal this process got, if any
+_ending: list[bool] = []  # set first thing when a rank ends: a stop signal arriving then changes nothing
 _kept: list[Callable[[], str]] = []  # says which epoch's files a run that ends now keeps (tell_kept_files)
 
 
@@ -57,7 +58,7 @@ def handle_stop_signals() -> None:
     A signal held back until now (ranks_start_with_stops_held) arrives here."""
 
     def on_signal(signum: int, frame: object) -> None:
-        if not _received:
+        if not _received and not _ending:
             _received.append(signum)
             raise Stopped(signal.Signals(signum).name)
 
@@ -121,6 +122,7 @@ def run_rank(body: Callable[[], None]) -> int:
         body()
         return 0
     except BaseException as error:  # every way out of a rank becomes its line and code
+        _ending.append(True)  # before any Python call runs a pending handler: a stop after a lost peer must wait
         ignore_stop_signals()
         code, line = outcome(error)
         _say(code, line)
