@@ -49,6 +49,7 @@ class ResNet(nn.Module):
         super().__init__()
         if width < 1 or num_classes < 1:
             raise ValueError(f"width and num_classes must be positive, got {width} and {num_classes}")
+        self.width = width  # the run's first line names it
         self.stem = nn.Sequential(nn.Conv2d(3, width, kernel_size=3, padding=1), nn.BatchNorm2d(width))
         self.blocks = nn.Sequential(
             ResBlock(width, 2 * width, 2, relu_after_sum),

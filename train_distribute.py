@@ -215,6 +215,7 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
     # DDP: this rank's shard of the epoch (every rank draws the same order and takes its own part)
     batches = run.train_data.train_batches(cfg.BATCH_SIZE, info.world_size, info.rank, cfg.SEED, epoch)
     for step, (x, y) in enumerate(files.progress(batches, steps, f"epoch {epoch}/{cfg.EPOCHS}", info.is_main)):
+        torch.manual_seed(data.seed_for(cfg.SEED, epoch, info.rank, step))  # the network's dropout: resumes exactly
         lr = lr_at((epoch - 1) * steps + step, cfg.EPOCHS * steps, peak_lr(cfg), cfg.SCHEDULE, cfg.WARMUP)
         train_step(run, x, y, lr, loss_fn, sums)
     torch.cuda.synchronize() if info.device.type == "cuda" else None  # and stops when the steps are done

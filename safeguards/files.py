@@ -160,7 +160,7 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def describe(model: torch.nn.Module, cfg: Any, info: Any, data: dict, steps: int, bf16: bool) -> str:
     """Rank 0's first line: what the run is."""
-    width = f"width={cfg.WIDTH}, " if type(model).__name__ == "ResNet" and "WIDTH" in vars(cfg) else ""
+    width = f"width={model.width}, " if isinstance(getattr(model, "width", None), int) else ""  # the ResNet's knob
     parameters = f"{width}{sum(p.numel() for p in model.parameters()):,} parameters"
     images = f"{data['identity'].split(' of ')[0]} on {cfg.DATASET}"
     return (

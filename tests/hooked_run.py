@@ -7,6 +7,7 @@ environment asks, and ranks forked from the launcher inherit them):
     TEST_FAIL_EPOCH=2                     epoch 2's checkpoint write fails as on a full disk
     TEST_RANK_1_BUG=1                     rank 1 raises RuntimeError as it builds its run, before training
     TEST_UNUSED_LAYER=1                   make_model's network gets a layer that its forward never uses
+    TEST_DROPOUT=0.3                      make_model's network gets dropout on its input: randomness in forward
 """
 
 import errno
@@ -46,6 +47,8 @@ def install_hooks() -> None:
         model = make_model(cfg, num_classes)
         if os.environ.get("TEST_UNUSED_LAYER"):
             model.unused = nn.Linear(3, 3)  # never called by forward
+        if os.environ.get("TEST_DROPOUT"):
+            model = nn.Sequential(nn.Dropout(float(os.environ["TEST_DROPOUT"])), model)
         return model
 
     def hooked_main_worker(cfg) -> None:

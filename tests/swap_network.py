@@ -1,10 +1,13 @@
 """README's network swap, done in a copy of the project, then the whole suite run there.
 
-    python -m tests.swap_network              # the suite's own options may follow, e.g. -m "not slurm" -x
+    python -m tests.swap_network                        # a small CNN in place of the ResNet
+    python -m tests.swap_network mobilenet_v3_small     # or torchvision's resnet18 or mobilenet_v3_small
+    python -m tests.swap_network resnet18 -m "not slurm" -x   # the suite's own options may follow
 
-The copy gets exactly the edit README names: `make_model` returns a small CNN, WIDTH and RELU_AFTER_SUM are
+The copy gets exactly the edit README names: `make_model` returns the other network, WIDTH and RELU_AFTER_SUM are
 deleted from the settings block, and tests/test_resnet.py (the ResNet's own tests) is deleted. Nothing else
-changes, so every failure there is a promise of "swap the network in one place" that does not hold.
+changes, so every failure there is a promise of "swap the network in one place" that does not hold. The copy is
+of the project's folder as it is (a git checkout or not), without hidden folders, caches, data or results.
 """
 
 import re
@@ -15,9 +18,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL_CNN = '''def make_model(cfg: SimpleNamespace, num_classes: int) -> nn.Module:
-    """A small CNN in place of the ResNet."""
-    return nn.Sequential(
+SMALL_CNN = """nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1, bias=False),
         nn.BatchNorm2d(16),
         nn.ReLU(),
@@ -28,20 +29,32 @@ SMALL_CNN = '''def make_model(cfg: SimpleNamespace, num_classes: int) -> nn.Modu
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
         nn.Linear(32, num_classes),
+    )"""
+NETWORKS = {  # what make_model returns in the copy
+    "cnn": SMALL_CNN,
+    "resnet18": "torchvision.models.resnet18(num_classes=num_classes)",
+    "mobilenet_v3_small": "torchvision.models.mobilenet_v3_small(num_classes=num_classes)",
+}
+NOT_COPIED = shutil.ignore_patterns(".*", "__pycache__", "data", "output", "*.egg-info")
+
+
+def make_model_returning(network: str) -> str:
+    imports = "    import torchvision\n\n" if "torchvision" in network else ""
+    return (
+        "def make_model(cfg: SimpleNamespace, num_classes: int) -> nn.Module:\n"
+        '    """Another network in place of the ResNet."""\n'
+        f"{imports}    return {network}\n"
     )
-'''
 
 
-def swapped_copy(folder: Path) -> Path:
-    """The project's tracked files in `folder`, with the network swapped."""
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    for name in files:
-        if (ROOT / name).is_file():
-            (folder / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, folder / name)
+def swapped_copy(folder: Path, network: str) -> Path:
+    """The project in `folder`, with make_model returning `network`."""
+    shutil.copytree(ROOT, folder, ignore=NOT_COPIED, dirs_exist_ok=True)
     script = folder / "train_distribute.py"
     source = script.read_text()
-    source, models = re.subn(r"def make_model\(.*?\n(?=\n\n)", SMALL_CNN, source, count=1, flags=re.S)
+    source, models = re.subn(
+        r"def make_model\(.*?\n(?=\n\n)", lambda _: make_model_returning(network), source, count=1, flags=re.S
+    )
     source, settings = re.subn(r"^(WIDTH|RELU_AFTER_SUM): .*\n", "", source, flags=re.M)
     source = source.replace("from resnet import ResNet\n", "")
     if (models, settings) != (1, 2):
@@ -51,11 +64,14 @@ def swapped_copy(folder: Path) -> Path:
     return folder
 
 
-def main(pytest_args: list[str]) -> int:
-    with tempfile.TemporaryDirectory(prefix="swapped-") as folder:
-        copy = swapped_copy(Path(folder))
-        print(f"the network swapped in {copy}; running the suite there", flush=True)
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", *pytest_args], cwd=copy).returncode
+def main(args: list[str]) -> int:
+    name = args.pop(0) if args and not args[0].startswith("-") else "cnn"
+    if name not in NETWORKS:
+        sys.exit(f"error: no network named {name}; choose one of {', '.join(NETWORKS)}")
+    with tempfile.TemporaryDirectory(prefix=f"swapped-{name}-") as folder:
+        copy = swapped_copy(Path(folder), NETWORKS[name])
+        print(f"make_model returns {name} in {copy}; running the suite there", flush=True)
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", *args], cwd=copy).returncode
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from tests.conftest import (
     clean_env,
     csv_rows,
     launch,
+    model_name,
     new_interpreter,
     recorded_ranks,
     wait_for_rows,
@@ -51,7 +52,7 @@ def test_a_finished_run_in_a_new_interpreter_exits_0_and_prints_only_its_lines(t
     assert run.returncode == 0, err
     assert lines(err) == []  # no warning of torch's, no log line of its agent
     first, *epochs, done = lines(out)
-    assert first.startswith("ResNet(") and "2 rank(s) on cpu (gloo)" in first
+    assert first.startswith(f"{model_name()}(") and "2 rank(s) on cpu (gloo)" in first
     assert [line.split()[1] for line in epochs] == ["1/2", "2/2"] and done.startswith("done: 2 epochs")
     assert len(pd.read_csv(tmp_path / "pytorch_res.csv")) == 2 and checkpoint_epoch(tmp_path) == 2
 

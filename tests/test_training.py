@@ -316,6 +316,25 @@ def test_kill_9_then_resume_gives_every_epoch_once_and_the_same_numbers(killed_t
     assert not list(folder.glob("previous-*")), "the resumed run moved its own results aside"
 
 
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_numbers(tmp_path, tiny_stream, loader):
+    """Randomness in the network's forward (here dropout on its input) continues after a resume as if the run had
+    not stopped: on the memory loader, and on the stream loader with worker processes."""
+    args = [*SHORT] if loader == "memory" else [*tiny_stream, "--epochs=4"]
+    alone, stopped = tmp_path / "alone", tmp_path / "stopped"
+    env = clean_env(TEST_DROPOUT="0.3")
+    assert run_script(*args, f"--output_dir={alone}", env=env).returncode == 0
+    run = launch(
+        *args, f"--output_dir={stopped}", env={**env, "TEST_SLOW_EPOCH": "2", "TEST_MARKER": str(tmp_path / "m")}
+    )
+    wait_for_marker(tmp_path / "m", run)  # epoch 1 is in the CSV, epoch 2's files are being written
+    os.kill(run.pid, signal.SIGTERM)
+    assert run.wait(HANG_TIMEOUT) == 75 and checkpoint_epoch(stopped) < 4
+    resumed = run_script(*args, f"--output_dir={stopped}", "--resume=True", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_epochs(stopped, alone)
+
+
 def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line_and_the_first_finishes_unharmed(
     killed_then_resumed, reference_run
 ):
