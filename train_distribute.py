@@ -261,9 +261,7 @@ def evaluate(run: Run) -> tuple[float, float]:
     sums = torch.zeros(3, device=run.info.device)
     for x, y in run.test_data.eval_batches(run.info.world_size, run.info.rank):
         with run.autocast():
-            logits = run.model(x).float()
-            if run.cfg.TTA:
-                logits = (logits + run.model(x.flip(3)).float()) / 2  # averaged in fp32, not bf16
+            logits = eval_logits(run.model, x, run.cfg.TTA)
         sums[0] += F.cross_entropy(logits, y, reduction="sum")
         sums[1] += (logits.argmax(dim=1) == y).sum()
         sums[2] += len(y)
@@ -271,6 +269,12 @@ def evaluate(run: Run) -> tuple[float, float]:
     dist.all_reduce(sums)  # DDP: the test sums over all ranks
     loss_sum, correct, images = sums.tolist()
     return loss_sum / images, correct / images
+
+
+def eval_logits(model: nn.Module, x: torch.Tensor, tta: bool) -> torch.Tensor:
+    """The logits that evaluation (and predict.py) use: with TTA, the mean of the image's and its mirror image's."""
+    logits = model(x).float()
+    return (logits + model(x.flip(3)).float()) / 2 if tta else logits  # averaged in fp32, not bf16
 
 
 # ----------------------------------------------------------------------------- the launcher

@@ -352,8 +352,8 @@ def reference_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, 
     return out, result, time.monotonic() - started
 
 
-def image_folder_of_noise(root: Path, train: int, test: int, size: int = 32, seed: int = 0) -> None:
-    """Two classes (a, b) of PNGs of random pixels, brighter in class b, in train/ and test/."""
+def image_folder_of_noise(root: Path, train: int, test: int, size: int = 32, seed: int = 0, brighter: int = 90) -> None:
+    """Two classes (a, b) of PNGs of random pixels, `brighter` levels brighter in class b, in train/ and test/."""
     import numpy as np
     from PIL import Image
 
@@ -362,7 +362,7 @@ def image_folder_of_noise(root: Path, train: int, test: int, size: int = 32, see
         for number in range(count):
             label = "ab"[number % 2]
             (root / split / label).mkdir(parents=True, exist_ok=True)
-            pixels = rng.integers(0, 160, (size, size, 3)) + 90 * (label == "b")
+            pixels = rng.integers(0, 160, (size, size, 3)) + brighter * (label == "b")
             Image.fromarray(pixels.astype(np.uint8)).save(root / split / label / f"{number:04d}.png")
 
 

@@ -1,0 +1,124 @@
+"""Classify images with a run's checkpoint, prepared exactly as the run's evaluation prepared its test images.
+
+    python predict.py output/checkpoint.pt photo.png more_photos/ > predictions.csv
+
+Each PATH is an image file, or a folder searched (sub-folders too) for files with the extensions training reads.
+Prints CSV (UTF-8): path,class,probability, one row per image, sorted by path; messages go to stderr. In your code:
+
+    from predict import Classifier
+    classifier = Classifier("output/checkpoint.pt")  # network, weights, preprocessing and class names
+    probabilities = classifier(["photo.png"])        # images x classes; classifier.classes names the columns
+"""
+
+import csv
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+import data
+import train_distribute
+from safeguards import settings
+from safeguards.failures import UserError, first_line
+
+BATCH = 256  # images per forward pass
+
+
+class Classifier:
+    """A run's network (make_model with the checkpoint's settings) and weights, its preprocessing (IMAGE_SIZE, the
+    stretch, the normalisation, TTA) and class names, all read from its checkpoint. fp32, on a GPU when there is one."""
+
+    def __init__(self, checkpoint_path: str, device: str | None = None) -> None:
+        saved = read_checkpoint(checkpoint_path)
+        cfg = SimpleNamespace(**{**vars(settings.read(train_distribute, [])), **saved["config"]})
+        record, self.tta = saved["data"], cfg.TTA
+        self.classes, self.image_size = list(record["classes"]), int(record["image_size"])
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = train_distribute.make_model(cfg, len(self.classes))
+        try:
+            self.model.load_state_dict(saved["model"])
+        except RuntimeError as e:
+            raise UserError(
+                f"{checkpoint_path} holds another network than make_model builds now ({first_line(e, 100)}); predict "
+                f"with the make_model that trained it"
+            ) from None
+        self.model.to(self.device, memory_format=torch.channels_last).eval()
+        self.loader = data.Loader(False, record["mean"], record["std"], self.device, torch.channels_last)
+
+    def __call__(self, paths: list[str]) -> torch.Tensor:
+        """The class probabilities of image files, one row per file."""
+        return self.probabilities(torch.stack([torch.from_numpy(data.decode(p, self.image_size)) for p in paths]))
+
+    @torch.no_grad()
+    def probabilities(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The softmax of the logits the run's evaluation uses, for uint8 images (N, IMAGE_SIZE, IMAGE_SIZE, 3)."""
+        x = self.loader.prepare(pixels.to(self.device))
+        return train_distribute.eval_logits(self.model, x, self.tta).softmax(dim=1).cpu()
+
+
+def read_checkpoint(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist; give the checkpoint.pt in a run's OUTPUT_DIR")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"cannot read {path} ({first_line(e, 80)}); give a checkpoint.pt that a run wrote") from None
+    if not (isinstance(saved, dict) and {"model", "config", "data"} <= saved.keys()):
+        raise UserError(
+            f"{path} is not a checkpoint of train_distribute.py; give the checkpoint.pt in a run's OUTPUT_DIR"
+        )
+    return saved
+
+
+def image_paths(paths: list[str]) -> list[str]:
+    """Every image PATH names, sorted: a file as given, a folder's files with training's image extensions."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    found = []
+    for path in paths:
+        if not os.path.exists(path):
+            raise UserError(f"{path} does not exist; give image files, or folders of them")
+        walk = os.walk(path, followlinks=True) if os.path.isdir(path) else [("", [], [path])]
+        images = [os.path.join(top, n) for top, _, names in walk for n in names if n.lower().endswith(IMG_EXTENSIONS)]
+        if not images:
+            raise UserError(f"{path} is no image and holds none ({' '.join(IMG_EXTENSIONS)}); give images or folders")
+        found += images
+    return sorted(set(found))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    try:
+        classifier, paths = Classifier(argv[0]), image_paths(argv[1:])
+        rows, unreadable = [], []
+        for start in range(0, len(paths), BATCH):
+            batch, pixels = [], []
+            for path in paths[start : start + BATCH]:
+                try:
+                    pixels.append(torch.from_numpy(data.decode(path, classifier.image_size)))
+                    batch.append(path)
+                except Exception:  # truncated, or not an image after all
+                    unreadable.append(path)
+            for path, p in zip(batch, classifier.probabilities(torch.stack(pixels)) if pixels else [], strict=True):
+                rows.append([path, classifier.classes[p.argmax()], f"{p.max():.6f}"])
+        if unreadable:
+            print(
+                f"warning: skipped {len(unreadable)} file(s) that cannot be read as images: {unreadable[0]}",
+                file=sys.stderr,
+            )
+        if not rows:
+            raise UserError("none of the images could be read; give image files that open as images")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.reconfigure(encoding="utf-8")
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerows([["path", "class", "probability"], *rows])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
