@@ -191,6 +191,7 @@ def _say(code: int, line: str) -> None:
     if os.environ.get(LAUNCHER_PID):
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
             json.dump({"message": line, "timestamp": int(time.time())}, f)
+        time.sleep(1 if code == EXIT_PEER_LOST else 0)  # the agent reports one failure: the rank that failed first's
         return
     speaker = {EXIT_STOPPED: "RANK", EXIT_INTERRUPTED: "RANK", EXIT_MISTAKE: "LOCAL_RANK"}.get(code)
     if speaker is None or os.environ.get(speaker) == "0":

@@ -8,6 +8,7 @@ environment asks, and ranks forked from the launcher inherit them):
     TEST_RANK_1_BUG=1                     rank 1 raises RuntimeError as it builds its run, before training
     TEST_UNUSED_LAYER=1                   make_model's network gets a layer that its forward never uses
     TEST_DROPOUT=0.3                      make_model's network gets dropout on its input: randomness in forward
+    TEST_OWN_NETWORK=8                    the template's own ResNet of this width, whatever make_model returns now
 """
 
 import errno
@@ -18,6 +19,7 @@ from pathlib import Path
 from torch import nn
 
 import train_distribute
+from resnet import ResNet
 from safeguards import files
 
 
@@ -44,7 +46,8 @@ def install_hooks() -> None:
         return build_run(cfg, info)
 
     def hooked_make_model(cfg, num_classes: int) -> nn.Module:
-        model = make_model(cfg, num_classes)
+        own = os.environ.get("TEST_OWN_NETWORK")
+        model = ResNet(int(own), num_classes) if own else make_model(cfg, num_classes)
         if os.environ.get("TEST_UNUSED_LAYER"):
             model.unused = nn.Linear(3, 3)  # never called by forward
         if os.environ.get("TEST_DROPOUT"):
