@@ -40,7 +40,7 @@ class Stopped(BaseException):
 
 
 _received: list[int] = []  # the stop signal this process got, if any
-_ending: list[bool] = []  # set first thing when a rank ends: a stop signal arriving then changes nothing
+_ending: list[bool] = []  # set first thing when a rank ends: a stop signal arriving then is noted, not raised
 _kept: list[Callable[[], str]] = []  # says which epoch's files a run that ends now keeps (tell_kept_files)
 
 
@@ -55,12 +55,15 @@ def kept_files(line: str = KEPT) -> str:
 
 def handle_stop_signals() -> None:
     """From here on the first stop signal raises Stopped; a later one changes nothing (the files are being finished).
-    A signal held back until now (ranks_start_with_stops_held) arrives here."""
+    Once the rank is ending, or while a lost peer's error unwinds (the signal that ended the peer reached this rank
+    too), it is only noted: the files are finished all the same. A signal held back until now
+    (ranks_start_with_stops_held) arrives here."""
 
     def on_signal(signum: int, frame: object) -> None:
-        if not _received and not _ending:
+        if not _received:
             _received.append(signum)
-            raise Stopped(signal.Signals(signum).name)
+            if not (_ending or lost_peer(sys.exc_info()[1])):
+                raise Stopped(signal.Signals(signum).name)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
@@ -122,7 +125,7 @@ def run_rank(body: Callable[[], None]) -> int:
         body()
         return 0
     except BaseException as error:  # every way out of a rank becomes its line and code
-        _ending.append(True)  # before any Python call runs a pending handler: a stop after a lost peer must wait
+        _ending.append(True)  # before any Python call runs a pending handler: a stop now is noted, not raised
         ignore_stop_signals()
         code, line = outcome(error)
         _say(code, line)
@@ -176,9 +179,9 @@ def outcome(error: BaseException) -> tuple[int, str]:
     if isinstance(error, UserError):
         return EXIT_MISTAKE, f"error: {error}"
     rank = os.environ.get("RANK", "0")
-    if any(text in str(error) for text in PEER_LOST):
+    if lost_peer(error):
         code = EXIT_PEER_LOST if os.environ.get(LAUNCHER_PID) else 1
-        return code, f"[rank {rank}] stopped: another rank failed or was stopped ({first_line(error)})"
+        return code, f"[rank {rank}] stopped: another rank failed or was stopped ({first_line(error)}); {KEPT}"
     lines = "".join(traceback.format_exception(error)).rstrip().splitlines()
     print("\n".join(f"[rank {rank}] {line}" for line in lines), file=sys.stderr, flush=True)
     return 1, f"error: rank {rank} failed with {type(error).__name__}: {first_line(error)}"
@@ -186,15 +189,14 @@ def outcome(error: BaseException) -> tuple[int, str]:
 
 def _say(code: int, line: str) -> None:
     """Under our launcher the line goes to the launcher, which prints the run's; under torchrun this rank prints it
-    where it is the one to: rank 0 for a stop (it holds the files), each machine's local rank 0 for a mistake."""
+    where it is the one to: each machine's local rank 0 for a stop or a mistake, every rank for a failure."""
     sys.stdout.flush()
     if os.environ.get(LAUNCHER_PID):
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
             json.dump({"message": line, "timestamp": int(time.time())}, f)
         time.sleep(1 if code == EXIT_PEER_LOST else 0)  # the agent reports one failure: the rank that failed first's
         return
-    speaker = {EXIT_STOPPED: "RANK", EXIT_INTERRUPTED: "RANK", EXIT_MISTAKE: "LOCAL_RANK"}.get(code)
-    if speaker is None or os.environ.get(speaker) == "0":
+    if code == 1 or os.environ.get("LOCAL_RANK") == "0":
         print(kept_files(line), file=sys.stderr, flush=True)  # this rank's writer is closed: its files are whole
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
         os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
@@ -205,6 +207,10 @@ def _say(code: int, line: str) -> None:
             if os.environ.get("LOCAL_RANK") == "0":
                 os.kill(os.getppid(), signal.SIGTERM)
             time.sleep(1)
+
+
+def lost_peer(error: BaseException | None) -> bool:
+    return error is not None and any(text in str(error) for text in PEER_LOST)
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:

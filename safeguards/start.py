@@ -21,9 +21,10 @@ RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # set by
 _held: list[filelock.BaseFileLock] = []  # rank 0's lock on OUTPUT_DIR, held until the process ends
 
 
-def decide(cfg: SimpleNamespace, saved: dict[str, Any] | None) -> str:
-    """'new', 'resume' or 'finished', from the settings and the checkpoint a start would continue (None: none)."""
-    restart = restarted_by()
+def decide(cfg: SimpleNamespace, saved: dict[str, Any] | None, restart: str | None = None) -> str:
+    """'new', 'resume' or 'finished', from the settings and the checkpoint a start would continue (None: none), and
+    what makes the start a restart (`restart`; by default this process's restart counts)."""
+    restart = restarted_by() if restart is None else restart
     if not (cfg.RESUME or restart):
         return "new"
     if saved is None or not (cfg.RESUME or _same_run(saved.get("run_ids", {}))):
@@ -87,12 +88,14 @@ def all_ranks_begin(cfg: SimpleNamespace, info: DistInfo) -> tuple[str, dict[str
     from where it lies; rank 0 locks OUTPUT_DIR and makes it this run's."""
     here = failures.all_ranks_try(lambda: _read(cfg) if info.local_rank == 0 else None)
     everyone: list[Any] = [None] * info.world_size
-    dist.all_gather_object(everyone, (int(here["epoch"]), here.get("run_ids", {})) if here else (-1, {}))
-    epochs = [epoch if cfg.RESUME or _same_run(ids) else -1 for epoch, ids in everyone]
+    mine = (int(here["epoch"]), here.get("run_ids", {})) if here else (-1, {})
+    dist.all_gather_object(everyone, (*mine, restarted_by()))
+    epochs = [epoch if cfg.RESUME or _same_run(ids) else -1 for epoch, ids, _ in everyone]
+    restart = next((said for *_, said in everyone if said), "")  # a machine started again joins a restarted run
     source, shared = epochs.index(max(epochs)), [here]
-    if max(epochs) >= 0 and (cfg.RESUME or restarted_by()):
+    if max(epochs) >= 0 and (cfg.RESUME or restart):
         dist.broadcast_object_list(shared, src=source)  # DDP: the newest checkpoint, from the rank that read it
-    kind = decide(cfg, shared[0] if max(epochs) >= 0 else None)  # every rank alike, on the same checkpoint
+    kind = decide(cfg, shared[0] if max(epochs) >= 0 else None, restart)  # every rank alike, on the same checkpoint
     checkpoint = shared[0] if kind == "resume" else None
     if kind != "finished":
         failures.all_ranks_try(lambda: _make_ours(cfg, checkpoint, source) if info.is_main else None)
@@ -119,9 +122,14 @@ def _make_ours(cfg: SimpleNamespace, checkpoint: dict[str, Any] | None, source: 
 
 def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, identity: str, folder: str) -> list[dict]:
     """Every rank alike, before anything changes: the checkpoint's data (`identity`) and network are this run's.
-    Loads the weights and the optimizer's state; returns the rows of the epochs done ([] for a new run)."""
+    Loads the weights and the optimizer's state; returns the rows of the epochs done ([] for a new run), the list that
+    the epoch loop goes on appending to."""
+    history: list[dict] = []
+    if dist.get_rank() != 0:  # rank 0 reads its files; the others know what every rank saw written: the rows before
+        done = int(checkpoint["epoch"]) if checkpoint else 0  # the last (its files are being written), or the resumed
+        failures.tell_kept_files(lambda: kept_files(folder, known=max(len(history) - 1, done)))
     if checkpoint is None:
-        return []
+        return history
     if checkpoint["data"]["identity"] != identity:
         raise UserError(
             f"the checkpoint in {folder} was trained on other data ({checkpoint['data']['identity']}, now "
@@ -139,7 +147,8 @@ def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, ide
     for group, current in zip(checkpoint["optimizer"]["param_groups"], optimizer.param_groups, strict=True):
         group.update(fused=current.get("fused"), foreach=current.get("foreach"))  # this machine's kernels
     optimizer.load_state_dict(checkpoint["optimizer"])
-    return list(checkpoint["history"])
+    history.extend(checkpoint["history"])
+    return history
 
 
 def move_aside(output_dir: str) -> str | None:
@@ -158,16 +167,20 @@ def move_aside(output_dir: str) -> str | None:
     return destination
 
 
-def kept_files(output_dir: str, ours: bool = True) -> str:
+def kept_files(output_dir: str, ours: bool = True, known: int | None = None) -> str:
     """What a stopped or failed run leaves to continue from, once its files are finished. `ours`: the checkpoint
-    there is this run's (not an earlier run's that a new run had yet to move aside)."""
-    epoch = files.checkpoint_epoch(output_dir) if ours else 0
+    there is this run's (not an earlier run's that a new run had yet to move aside). `known`: a rank other than 0
+    names the last epoch whose files every rank knows written, on rank 0's machine."""
+    epoch = known if known is not None else files.checkpoint_epoch(output_dir) if ours else 0
     if not epoch:
-        return failures.NOTHING_KEPT
+        return (
+            failures.NOTHING_KEPT if known is None else "no epoch's files were known written: see global rank 0's line"
+        )
+    where = f"in {output_dir}" + (" on the node of global rank 0" if known is not None else "")
     if under_torchrun() and not os.environ.get(failures.LAUNCHER_PID):
-        how = "a torchrun restart or requeue continues from them by itself, a new torchrun command with --resume True"
-        return f"the files in {output_dir} are from epoch {epoch}; {how}"
-    return f"the files in {output_dir} are from epoch {epoch}: continue with --resume True"
+        how = "continue with the same command on every node and --resume True (torchrun's restarts and a SLURM requeue"
+        return f"the files {where} are from epoch {epoch}; {how} do so by themselves)"
+    return f"the files {where} are from epoch {epoch}: continue with --resume True"
 
 
 def _read(cfg: SimpleNamespace) -> dict[str, Any] | None:

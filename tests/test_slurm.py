@@ -31,7 +31,10 @@ OFFSET = int(re.search(r"--signal=B:USR1@(\d+)", slurm_cluster.readme_script()).
 MORE_TRAINING = 90  # seconds of epochs after the first, when the limit is shortened: SLURM's next look is within 30
 BROKEN = ("Killed", "Terminated", "exit code 137", "DUE TO TIME LIMIT")  # a task that did not stop by itself
 EPOCH_LINE = re.compile(r"^epoch +(\d+)/(\d+) ", re.MULTILINE)
-KEPT = "a torchrun restart or requeue continues from them by itself, a new torchrun command with --resume True"
+KEPT = re.escape(
+    "continue with the same command on every node and --resume True (torchrun's restarts and a SLURM requeue do so "
+    "by themselves)"
+)
 EVENTS = {
     "epoch": EPOCH_LINE.pattern,
     "stopped": rf"^stopped by SIGTERM: the files in runs/\d+ are from epoch (\d+); {KEPT}$",

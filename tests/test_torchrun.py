@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -136,35 +137,103 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_the_run_resumes_exactly(tm
     assert checkpoint_epoch(out) == 5 and not list(out.glob("previous-*")), "the restart moved its own results aside"
 
 
+def node(n: int, port: int, out: Path, *args: str, restarts: int = 0):
+    """torchrun as machine `n` of two, one worker each (c10d rendezvous: global ranks in the order they arrive), on a
+    core of its own and with its own OUTPUT_DIR (out/n), as README's multi-machine command has it."""
+    return start_torchrun(
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        f"--max-restarts={restarts}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{port}",
+        "--local_addr=127.0.0.1",  # what each tells the other (else this machine's name, which may not resolve)
+        "--rdzv_id=two-nodes",
+        str(SCRIPT),
+        *ARGS,
+        *args,
+        f"--output_dir={out / str(n)}",
+        cpus=[sorted(os.sched_getaffinity(0))[n % len(os.sched_getaffinity(0))]],
+        env=ENV,
+    )
+
+
+def endpoint_node(port: int, out: Path, *args: str, restarts: int = 0):
+    """Machine 0, started first and waited for until it listens: the endpoint's machine, which hosts the rendezvous."""
+    first = node(0, port, out, *args, restarts=restarts)
+    deadline = time.monotonic() + HANG_TIMEOUT
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return first
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.05)
+
+
+def wait_for_rows_of_two_epochs(out: Path, *nodes) -> None:
+    """Until the machine of global rank 0, whichever it is, wrote two epochs' rows: every rank knows the first's."""
+    deadline = time.monotonic() + HANG_TIMEOUT
+    while max(csv_rows(out / str(n)) for n in (0, 1)) < 2:
+        assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, "no row in time"
+        time.sleep(0.05)
+
+
+def epochs_printed(*logs: str) -> list[int]:
+    return sorted(int(epoch) for log in logs for epoch in re.findall(r"^epoch (\d+)/", log, re.MULTILINE))
+
+
 def test_two_torchrun_nodes_meet_and_only_global_rank_0_writes(tmp_path):
-    """Two torchrun processes as two machines of one worker each (c10d rendezvous: ranks in the order they arrive),
-    each with its own OUTPUT_DIR: one run of 2 ranks, whose files only global rank 0's machine gets."""
-    port, cores = free_port(), sorted(os.sched_getaffinity(0))
-    nodes = [
-        start_torchrun(
-            "--nnodes=2",
-            "--nproc_per_node=1",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{port}",
-            "--local_addr=127.0.0.1",  # what each tells the other (else this machine's name, which may not resolve)
-            "--rdzv_id=two-nodes",
-            str(SCRIPT),
-            *ARGS,
-            "--epochs=2",
-            f"--output_dir={tmp_path / f'out{n}'}",
-            cpus=[cores[n % len(cores)]],  # a core each, as a machine has its own
-            env=ENV,
-        )
-        for n in (0, 1)
-    ]
+    """Two torchrun processes as two machines: one run of 2 ranks, whose files only global rank 0's machine gets."""
+    port = free_port()
+    nodes = [endpoint_node(port, tmp_path, "--epochs=2"), node(1, port, tmp_path, "--epochs=2")]
     logs = [node.communicate(timeout=HANG_TIMEOUT)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], logs
-    written = [csv_rows(tmp_path / f"out{n}") for n in (0, 1)]
+    written = [csv_rows(tmp_path / str(n)) for n in (0, 1)]
     assert sorted(written) == [0, 2], written
-    writer, other = (tmp_path / f"out{n}" for n in sorted((0, 1), key=lambda n: -written[n]))
+    writer, other = (tmp_path / str(n) for n in sorted((0, 1), key=lambda n: -written[n]))
     assert sorted(p.name for p in writer.iterdir()) == [".lock", "checkpoint.pt", "pytorch_res.csv", "pytorch_res.png"]
     assert not other.exists() or not any(other.iterdir()), list(other.iterdir())
     assert "| 2 rank(s) on cpu (gloo) |" in logs[written.index(2)] and "epoch " not in logs[written.index(0)]
+
+
+def test_a_stopped_node_started_again_rejoins_and_the_run_finishes_every_epoch_once(tmp_path):
+    """README's command (--max-restarts=3): the machine that is not the endpoint's gets SIGTERM mid-run and is
+    started again with the same command; the other's torchrun restarts its worker and waits for it."""
+    port, epochs = free_port(), "--epochs=8"
+    first = endpoint_node(port, tmp_path, epochs, restarts=3)
+    second = node(1, port, tmp_path, epochs, restarts=3)
+    wait_for_rows_of_two_epochs(tmp_path, first, second)
+    os.kill(second.pid, signal.SIGTERM)
+    stopped = second.communicate(timeout=90)[0]
+    again = node(1, port, tmp_path, epochs, restarts=3)
+    logs = [first.communicate(timeout=HANG_TIMEOUT)[0], again.communicate(timeout=HANG_TIMEOUT)[0]]
+    assert (first.returncode, again.returncode) == (0, 0), logs
+    assert epochs_printed(stopped, *logs) == list(range(1, 9)), [stopped, *logs]
+    final = max((tmp_path / str(n) for n in (0, 1)), key=csv_rows)
+    assert pd.read_csv(final / "pytorch_res.csv")["epoch"].tolist() == list(range(1, 9))
+    assert checkpoint_epoch(final) == 8
+
+
+def test_a_stopped_node_without_restarts_ends_both_with_the_kept_epoch_and_resume_goes_on(tmp_path):
+    """No restarts left: SIGTERM to the machine that is not the endpoint's ends both within 90 s, each with a line of
+    ours naming the kept epoch, where its files are, and --resume True; both started again with it go on."""
+    port, epochs = free_port(), "--epochs=8"
+    nodes = [endpoint_node(port, tmp_path, epochs), node(1, port, tmp_path, epochs)]
+    wait_for_rows_of_two_epochs(tmp_path, *nodes)
+    os.kill(nodes[1].pid, signal.SIGTERM)
+    logs = [n.communicate(timeout=90)[0] for n in nodes]
+    kept = max(checkpoint_epoch(tmp_path / str(n)) for n in (0, 1) if csv_rows(tmp_path / str(n)))
+    for n, log in enumerate(logs):
+        ours = [line for line in log.splitlines() if "--resume True" in line]
+        assert len(ours) == 1 and "continue with the same command on every node and --resume True" in ours[0], log
+        epoch = int(re.search(r"are from epoch (\d+);", ours[0]).group(1))
+        here = csv_rows(tmp_path / str(n)) > 0  # global rank 0's machine names its own files
+        assert (epoch == kept) if here else (1 <= epoch <= kept and "on the node of global rank 0" in ours[0]), log
+    resumed = [endpoint_node(port, tmp_path, epochs, "--resume=True"), node(1, port, tmp_path, epochs, "--resume=True")]
+    more = [n.communicate(timeout=HANG_TIMEOUT)[0] for n in resumed]
+    assert [n.returncode for n in resumed] == [0, 0], more
+    assert epochs_printed(*logs, *more) == list(range(1, 9)), [*logs, *more]
+    final = max((tmp_path / str(n) for n in (0, 1)), key=csv_rows)
+    assert pd.read_csv(final / "pytorch_res.csv")["epoch"].tolist() == list(range(1, 9))
 
 
 def test_sigterm_to_torchrun_stops_the_job_instead_of_restarting_it(tmp_path):
@@ -178,7 +247,10 @@ def test_sigterm_to_torchrun_stops_the_job_instead_of_restarting_it(tmp_path):
     log = run.communicate(timeout=HANG_TIMEOUT)[0]
     assert run.returncode == 1, log  # torchrun reports the signal it got as a failure of its own
     kept = checkpoint_epoch(out)
-    how = "a torchrun restart or requeue continues from them by itself, a new torchrun command with --resume True"
+    how = (
+        "continue with the same command on every node and --resume True (torchrun's restarts and a SLURM requeue do "
+        "so by themselves)"
+    )
     stopped = [line for line in log.splitlines() if line.startswith("stopped by")]
     assert stopped == [f"stopped by SIGTERM: the files in {out} are from epoch {kept}; {how}"], log
     assert log.index(stopped[0]) < log.index("Traceback"), log  # torchrun's own report comes after our line
