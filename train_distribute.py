@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import data
@@ -64,7 +63,6 @@ AMP: bool = True  # bf16 autocast on GPUs and on CPUs with native bf16 (fp32 els
 COMPILE: bool = False  # torch.compile the model: faster steps after a minute or more of compiling
 ACCUMULATE: int = 1  # split each rank's share of a batch into this many micro-batches (less memory, same recipe)
 SYNC_BN: bool = False  # GPUs: BatchNorm statistics over the global batch instead of each rank's share (small batches)
-BF16_ALLREDUCE: bool = False  # all-reduce gradients in bf16: half the bytes on the wire (many GPUs, slow links)
 WORLD_SIZE: int = 0  # processes to start: 0 = one per GPU (2 on a machine without GPUs); torchrun decides there
 RESUME: bool = False  # continue the run in OUTPUT_DIR from its checkpoint.pt (torchrun/SLURM restarts do it anyway)
 COLLECTIVE_TIMEOUT: int = 600  # seconds a rank waits for the others in a collective before the run fails
@@ -122,8 +120,6 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
         gradient_as_bucket_view=True,
         **distribute_tools.NO_BUFFER_SYNC,
     )
-    if cfg.BF16_ALLREDUCE:
-        ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if cfg.COMPILE:
         ddp_model = torch.compile(ddp_model)  # after wrapping, so that DDP's bucketed all-reduce keeps overlapping
     bf16 = cfg.AMP and distribute_tools.bf16_is_fast(info.device)

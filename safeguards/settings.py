@@ -14,7 +14,7 @@ from safeguards.failures import UserError
 
 # Settings that may differ between a run and its resumption: where files are, how it is launched and on what
 # hardware, how it evaluates or reports. Every other setting shapes the run, so a new one is checked on resume.
-FREE_ON_RESUME = set("DATA_DIR OUTPUT_DIR RESUME WORLD_SIZE AMP COMPILE SYNC_BN ACCUMULATE BF16_ALLREDUCE TTA".split())
+FREE_ON_RESUME = set("DATA_DIR OUTPUT_DIR RESUME WORLD_SIZE AMP COMPILE SYNC_BN ACCUMULATE TTA".split())
 FREE_ON_RESUME |= {"COLLECTIVE_TIMEOUT", "LOADER", "NUM_WORKERS"}
 # Allowed ranges: (lowest, highest), None where open.
 LIMITS = {name: (1, None) for name in "EPOCHS BATCH_SIZE SYNTHETIC_SIZE ACCUMULATE COLLECTIVE_TIMEOUT".split()}
