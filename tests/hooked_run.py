@@ -6,7 +6,7 @@ environment asks, and ranks forked from the launcher inherit them):
     TEST_SLOW_EPOCH=2 TEST_MARKER=/path   epoch 2's checkpoint write takes 2 s; the marker file says it began
     TEST_FAIL_EPOCH=2                     epoch 2's checkpoint write fails as on a full disk
     TEST_RANK_1_BUG=1                     rank 1 raises RuntimeError as it builds its run, before training
-    TEST_UNUSED_LAYER=1                   make_model's network gets a layer that its forward never uses
+    TEST_UNUSED_LAYER=1                   make_model's network gets a parameter that its forward never uses
     TEST_DROPOUT=0.3                      make_model's network gets dropout on its input: randomness in forward
     TEST_OWN_NETWORK=8                    the template's own ResNet of this width, whatever make_model returns now
 """
@@ -16,6 +16,7 @@ import os
 import time
 from pathlib import Path
 
+import torch
 from torch import nn
 
 import train_distribute
@@ -49,7 +50,7 @@ def install_hooks() -> None:
         own = os.environ.get("TEST_OWN_NETWORK")
         model = ResNet(int(own), num_classes) if own else make_model(cfg, num_classes)
         if os.environ.get("TEST_UNUSED_LAYER"):
-            model.unused = nn.Linear(3, 3)  # never called by forward
+            model.unused = nn.Parameter(torch.zeros(3))  # no forward uses it (an nn.Sequential calls every child)
         if os.environ.get("TEST_DROPOUT"):
             model = nn.Sequential(nn.Dropout(float(os.environ["TEST_DROPOUT"])), model)
         return model
