@@ -12,10 +12,12 @@ import pandas as pd
 import pytest
 import torch
 
+from safeguards import failures
 from tests.conftest import (
     HANG_TIMEOUT,
     TINY,
     alive,
+    call,
     children_of,
     clean_env,
     csv_rows,
@@ -106,6 +108,28 @@ def test_sigterm_to_the_launcher_exits_75_with_the_epochs_files_whole(tmp_path):
     ]
     assert kept >= 1 and csv_rows(tmp_path) == kept  # the checkpoint and the CSV agree: both whole
     assert not list(tmp_path.glob("*.tmp*"))
+
+
+def stop_while_a_lost_peer_unwinds() -> int:
+    """In a process of its own (call): a rank's stop signal that comes while gloo's lost-peer error unwinds, as when
+    the peer stopped first (the signal reached both; the peer left before this rank's handler could run)."""
+    from safeguards import failures
+
+    def body() -> None:
+        try:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:39334")
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # the handler runs now, inside the unwinding
+            print("the files are finished", flush=True)  # where train's finally closes the writer
+
+    return failures.run_rank(body)
+
+
+def test_a_stop_that_comes_while_a_lost_peers_error_unwinds_is_the_stop_in_one_line():
+    result = call("tests.test_launch:stop_while_a_lost_peer_unwinds", env=clean_env(LOCAL_RANK="0", RANK="0"))
+    assert result.returncode == 75 and result.stdout == "the files are finished\n", result.stderr
+    assert lines(result.stderr) == [f"stopped by SIGTERM: {failures.NOTHING_KEPT}"], result.stderr
 
 
 def test_ctrl_c_mid_epoch_exits_130_in_one_line(tmp_path):
