@@ -3,6 +3,7 @@ restarts the workers, which resume exactly), two "machines" meeting by c10d rend
 run started again. torchrun's code forked from the test server, its workers forked from it (start_torchrun); the
 first test runs the real command a user types."""
 
+import inspect
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from tests.conftest import (
     HANG_TIMEOUT,
@@ -40,6 +42,8 @@ ARGS = TINY[:-1]  # torchrun decides the number of ranks
 ENV = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 # torchrun's banner (on torch 2.4 its logger's name is a line of its own), and runpy's note on `-m`
 TORCHRUN_OWN = ("*****", "Setting OMP_NUM_THREADS", "<frozen runpy>", "WARNING:__main__:")
+# torch 2.3 to 2.7: a torchrun that gets a stop signal closes the rendezvous for every machine (pytorch#152525)
+CLOSES_RENDEZVOUS = "_rdzv_handler.shutdown()" in inspect.getsource(LocalElasticAgent._shutdown)
 TIMINGS = ("epoch_seconds", "elapsed_seconds", "images_per_second", "peak_memory_mb", "write_wait_seconds")
 
 
@@ -197,17 +201,23 @@ def test_two_torchrun_nodes_meet_and_only_global_rank_0_writes(tmp_path):
 
 def test_a_stopped_node_started_again_rejoins_and_the_run_finishes_every_epoch_once(tmp_path):
     """README's command (--max-restarts=3): the machine that is not the endpoint's gets SIGTERM mid-run and is
-    started again with the same command; the other's torchrun restarts its worker and waits for it."""
+    started again with the same command; the other's torchrun restarts its worker and waits for it. On torch 2.3 to
+    2.7 the stopped machine's torchrun closes the rendezvous for all (pytorch#152525): the other ends too, with our
+    line, and both started again with --resume True go on, as README says."""
     port, epochs = free_port(), "--epochs=8"
     first = endpoint_node(port, tmp_path, epochs, restarts=3)
     second = node(1, port, tmp_path, epochs, restarts=3)
     wait_for_rows_of_two_epochs(tmp_path, first, second)
     os.kill(second.pid, signal.SIGTERM)
-    stopped = second.communicate(timeout=90)[0]
-    again = node(1, port, tmp_path, epochs, restarts=3)
-    logs = [first.communicate(timeout=HANG_TIMEOUT)[0], again.communicate(timeout=HANG_TIMEOUT)[0]]
+    logs = [second.communicate(timeout=90)[0]]
+    if CLOSES_RENDEZVOUS:
+        logs.append(first.communicate(timeout=90)[0])
+        assert any(line.endswith("do so by themselves)") for line in lines(logs[1])), logs[1]  # our line
+        first = endpoint_node(port, tmp_path, epochs, "--resume=True", restarts=3)
+    again = node(1, port, tmp_path, epochs, *(["--resume=True"] if CLOSES_RENDEZVOUS else []), restarts=3)
+    logs += [first.communicate(timeout=HANG_TIMEOUT)[0], again.communicate(timeout=HANG_TIMEOUT)[0]]
     assert (first.returncode, again.returncode) == (0, 0), logs
-    assert epochs_printed(stopped, *logs) == list(range(1, 9)), [stopped, *logs]
+    assert epochs_printed(*logs) == list(range(1, 9)), logs
     final = max((tmp_path / str(n) for n in (0, 1)), key=csv_rows)
     assert pd.read_csv(final / "pytorch_res.csv")["epoch"].tolist() == list(range(1, 9))
     assert checkpoint_epoch(final) == 8
