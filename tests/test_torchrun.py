@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -165,12 +164,16 @@ def endpoint_node(port: int, out: Path, *args: str, restarts: int = 0):
     """Machine 0, started first and waited for until it listens: the endpoint's machine, which hosts the rendezvous."""
     first = node(0, port, out, *args, restarts=restarts)
     deadline = time.monotonic() + HANG_TIMEOUT
-    while True:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return first
+    while not listening(port):
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()
         time.sleep(0.05)
+    return first
+
+
+def listening(port: int) -> bool:
+    """Something listens on `port` (the kernel's table: a probe's connection would be a client to the store)."""
+    tables = (Path(f"/proc/net/{name}").read_text().splitlines()[1:] for name in ("tcp", "tcp6"))
+    return any(row.split()[1].endswith(f":{port:04X}") and row.split()[3] == "0A" for table in tables for row in table)
 
 
 def wait_for_rows_of_two_epochs(out: Path, *nodes) -> None:
