@@ -1,12 +1,10 @@
 """The data: CIFAR-10, your image folder or generated images, as each rank's batches, cropped, flipped and normalised
 on the device. Two loaders with one interface:
 
-    MemoryLoader  the whole split on the device as uint8: per epoch this rank's shard of one permutation that every
-                  rank draws alike, batches cut by indexing (no per-image Python work: the fast path)
-    StreamLoader  torch's DataLoader with a DistributedSampler: worker processes decode the files as training goes
-
-LOADER="auto" holds CIFAR-10 and generated images in memory and streams image folders, which may be of any size;
-"memory" decodes an image folder once as the run starts.
+    MemoryLoader  CIFAR-10 or generated images, the whole split on the device as uint8: per epoch this rank's shard of
+                  one permutation that every rank draws alike, batches cut by indexing (no per-image Python work)
+    StreamLoader  an image folder, of any size: torch's DataLoader with a DistributedSampler, worker processes decoding
+                  the files as training goes
 """
 
 import hashlib
@@ -29,36 +27,26 @@ from torch.utils.data.distributed import DistributedSampler
 from distribute_tools import DistInfo
 from safeguards.failures import KEPT, UserError, first_line, guard_parent, ignore_stop_signals
 
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's published, 0..1 units
+# CIFAR-10's published statistics, 0..1 units (generated images are made alike: mean 0.5, std about 0.25)
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+# Image folders: ImageNet's published statistics, as torchvision's models expect (the BatchNorm after the first layer
+# absorbs a mismatch, and no pass over the images is needed before the start).
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SYNTHETIC_CLASSES = 10
-STATISTICS_SAMPLE = 2_000  # an image folder's normalisation comes from this many training images, drawn with seed 0
 EVAL_BATCH = 500  # test images per evaluation batch
-
-
-def sizes(cfg: SimpleNamespace) -> tuple[int, int]:
-    """Training images and classes, without decoding an image: what the checks before the start need."""
-    if cfg.DATASET != "imagefolder":
-        return (cfg.SYNTHETIC_SIZE, SYNTHETIC_CLASSES) if cfg.DATASET == "synthetic" else (50_000, 10)
-    classes, samples = list_folder(cfg.DATA_DIR, "train")
-    return len(samples), len(classes)
 
 
 def prepare(cfg: SimpleNamespace) -> None:
     """Download CIFAR-10 into DATA_DIR unless it is there: one process per folder at a time (a file lock), since ranks
     downloading at once corrupt the archive. An image folder: both splits must hold the same classes."""
     if cfg.DATASET == "imagefolder" and list_folder(cfg.DATA_DIR, "train")[0] != list_folder(cfg.DATA_DIR, "test")[0]:
-        raise UserError(
-            f"{cfg.DATA_DIR}/train and {cfg.DATA_DIR}/test hold different class folders; every class needs images in "
-            f"both: add the missing class folders, or move the class out of both"
-        )
+        raise UserError(f"{cfg.DATA_DIR}/train and test/ hold different class folders; give both the same classes")
     if cfg.DATASET != "cifar10":
         return
     try:
         os.makedirs(cfg.DATA_DIR, exist_ok=True)
     except OSError as e:
-        raise UserError(
-            f"DATA_DIR {cfg.DATA_DIR} cannot be created ({e.strerror}); point --data_dir elsewhere"
-        ) from None
+        raise UserError(f"cannot create DATA_DIR {cfg.DATA_DIR} ({e.strerror}); point --data_dir elsewhere") from None
     writable, previous = os.access(cfg.DATA_DIR, os.W_OK), socket.getdefaulttimeout()  # read-only: no lock, none needed
     socket.setdefaulttimeout(60)  # torchvision's download sets no timeout of its own
     try:
@@ -86,51 +74,41 @@ def _cifar10(data_dir: str, train: bool, download: bool = False) -> Any:
 
 
 def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_format) -> tuple[Any, Any, dict]:
-    """This rank's (train, test) loaders and what the checkpoint records of the data. Every rank must hold the same
-    data (a machine with another copy of DATA_DIR would train on other data or hang): their identities meet once."""
-    streams = cfg.LOADER == "stream" or (cfg.LOADER == "auto" and cfg.DATASET == "imagefolder")
-    workers = (
-        cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else max(1, len(os.sched_getaffinity(0)) // info.local_world_size - 1)
-    )
+    """This rank's (train, test) loaders and what the checkpoint records of the data: its identity (a resume on
+    other data is refused on every rank), classes and normalisation."""
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if cfg.DATASET == "imagefolder" else (CIFAR_MEAN, CIFAR_STD)
+    options = {"mean": mean, "std": std, "device": info.device, "memory_format": memory_format}
     if cfg.DATASET == "imagefolder":
         (classes, train), (_, test) = list_folder(cfg.DATA_DIR, "train"), list_folder(cfg.DATA_DIR, "test")
+        cores = len(os.sched_getaffinity(0)) // info.local_world_size  # this rank's share of the machine
+        workers = cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else max(1, cores - 1)
+        kind, options = StreamLoader, {**options, "workers": workers}
         splits: list[Any] = [ImageFiles(samples, cfg.IMAGE_SIZE) for samples in (train, test)]
-        sample = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:STATISTICS_SAMPLE].sort()[0]
-        mean, std = channel_statistics(decode_all(splits[0], workers, sample.tolist())[0])
-        source = f"files {folder_digest(cfg.DATA_DIR, train + test)}"
-        splits = splits if streams else [decode_all(files, workers, range(len(files))) for files in splits]
-    else:
-        *splits, classes = read_in_memory(cfg)
-        mean, std = channel_statistics(splits[0][0]) if cfg.DATASET == "synthetic" else (CIFAR_MEAN, CIFAR_STD)
-        source = "generated" if cfg.DATASET == "synthetic" else "CIFAR-10"
-    options = {"mean": mean, "std": std, "device": info.device, "memory_format": memory_format}
-    kind, options = (StreamLoader, {**options, "workers": workers}) if streams else (MemoryLoader, options)
-    loaders = [kind(split, augment, **options) for split, augment in zip(splits, (cfg.AUGMENT, False), strict=True)]
-    size = f"{cfg.IMAGE_SIZE}x{cfg.IMAGE_SIZE}"
-    identity = (
-        f"{len(loaders[0]):,} train and {len(loaders[1]):,} test images of {size}, {len(classes)} classes, {source}"
-    )
-    everyone: list[Any] = [None] * info.world_size
-    dist.all_gather_object(everyone, identity)  # DDP: every rank's data, compared once
-    if others := [str(rank) for rank, theirs in enumerate(everyone) if theirs != identity]:
-        raise UserError(
-            f"rank(s) {', '.join(others)} loaded other data than rank {info.rank} ({identity}); give every machine the "
-            f"same copy of DATA_DIR"
+        source, how = f"files {folder_digest(cfg.DATA_DIR, train + test)}", f"stream, {workers} worker(s) per rank"
+    elif cfg.DATASET == "synthetic":  # the memory loader's splits: uint8 NHWC images and their labels
+        kind, source, how, classes = (
+            MemoryLoader,
+            "generated",
+            "memory",
+            [f"class_{c}" for c in range(SYNTHETIC_CLASSES)],
         )
-    how = f"stream, {workers} worker(s) per rank" if streams else "memory"
+        sizes = (cfg.SYNTHETIC_SIZE, max(cfg.SYNTHETIC_SIZE // 5, 1))
+        splits = [make_synthetic(n, cfg.SEED, split, cfg.IMAGE_SIZE) for split, n in enumerate(sizes)]
+    else:
+        kind, source, how, cifar = (
+            MemoryLoader,
+            "CIFAR-10",
+            "memory",
+            [_cifar10(cfg.DATA_DIR, t) for t in (True, False)],
+        )
+        splits, classes = [(torch.from_numpy(c.data), torch.tensor(c.targets)) for c in cifar], cifar[0].classes
+    loaders = [kind(split, augment, **options) for split, augment in zip(splits, (cfg.AUGMENT, False), strict=True)]
+    if len(loaders[0]) < cfg.BATCH_SIZE:
+        raise UserError(f"{len(loaders[0])} training images, fewer than BATCH_SIZE={cfg.BATCH_SIZE}; lower it")
+    size = f"{cfg.IMAGE_SIZE}x{cfg.IMAGE_SIZE}"
+    identity = f"{len(loaders[0]):,} train, {len(loaders[1]):,} test images of {size}, {len(classes)} classes, {source}"
     record = {"identity": identity, "classes": classes, "mean": mean, "std": std, "image_size": cfg.IMAGE_SIZE}
     return loaders[0], loaders[1], {**record, "loader": how}
-
-
-def read_in_memory(cfg: SimpleNamespace) -> tuple[tuple, tuple, list[str]]:
-    """CIFAR-10 or generated images: (train images, labels), (test images, labels), the class names; uint8 NHWC."""
-    if cfg.DATASET == "synthetic":
-        sizes_ = (cfg.SYNTHETIC_SIZE, max(cfg.SYNTHETIC_SIZE // 5, 1))
-        train, test = (make_synthetic(n, cfg.SEED, split, cfg.IMAGE_SIZE) for split, n in enumerate(sizes_))
-        return train, test, [f"class_{c}" for c in range(SYNTHETIC_CLASSES)]
-    train, test = (_cifar10(cfg.DATA_DIR, split) for split in (True, False))
-    pixels = [(torch.from_numpy(split.data), torch.tensor(split.targets)) for split in (train, test)]
-    return pixels[0], pixels[1], train.classes
 
 
 def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,9 +134,7 @@ def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, i
     root = os.path.join(data_dir, split)
     if not os.path.isdir(root):
         problem = f"has no {split}/ folder" if os.path.isdir(data_dir) else "does not exist"
-        raise UserError(
-            f"DATA_DIR {data_dir} {problem}; point --data_dir at a folder with train/<class>/<image> and test/"
-        )
+        raise UserError(f"DATA_DIR {data_dir} {problem}; give a folder with train/<class>/ and test/<class>/")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise UserError(f"{root} holds no class folders; put one sub-folder per class in it, with the images inside")
@@ -216,30 +192,13 @@ class ImageFiles(Dataset):
 def reader(files: ImageFiles, batch_size: int, sampler: Any, workers: int, pin: bool, **options: Any) -> DataLoader:
     """Batches of `files` in the order of `sampler`, decoded by `workers` forked processes a few batches ahead (each
     leaves stopping to its rank and dies with it); workers=0 decodes in this process, where a debugger reaches it."""
-    parallel = (
-        {"multiprocessing_context": "fork", "prefetch_factor": 4, "worker_init_fn": quiet_worker} if workers else {}
-    )
+
+    def quiet(worker_id: int) -> None:  # a Ctrl-C or scancel reaches every process: the rank decides what happens
+        ignore_stop_signals()
+        guard_parent(None)
+
+    parallel = {"multiprocessing_context": "fork", "prefetch_factor": 4, "worker_init_fn": quiet} if workers else {}
     return DataLoader(files, batch_size, sampler=sampler, num_workers=workers, pin_memory=pin, **parallel, **options)
-
-
-def quiet_worker(worker_id: int) -> None:
-    ignore_stop_signals()  # a Ctrl-C or scancel reaches every process: the rank decides what happens
-    guard_parent(None)
-
-
-def decode_all(files: ImageFiles, workers: int, indices: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The images at `indices`, uint8 NHWC, and their labels; an unreadable one is one line on every rank alike."""
-    batches = list(reader(files, 256, list(indices), workers, pin=False))
-    if bad := [i for _, _, marks in batches for i in marks.tolist() if i >= 0]:
-        raise UserError(f"{files.unreadable(bad)}; delete or replace them and rerun")
-    return torch.cat([pixels for pixels, _, _ in batches]), torch.cat([labels for _, labels, _ in batches])
-
-
-def channel_statistics(pixels: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and standard deviation of uint8 NHWC images, in 0..1 units (summed in chunks, in float64)."""
-    chunks = (chunk.reshape(-1, 3).double() / 255 for chunk in pixels.split(1024))
-    mean, squares = sum(torch.stack([x.sum(0), (x * x).sum(0)]) for x in chunks) / (pixels.numel() // 3)
-    return tuple(mean.tolist()), tuple((squares - mean**2).clamp(min=1e-12).sqrt().tolist())
 
 
 # ----------------------------------------------------------------------------- the loaders
@@ -260,9 +219,8 @@ class Loader:
         """uint8 NHWC -> normalised float NCHW in the model's memory format; with `generator`, cropped and flipped."""
         if generator is not None and self.augment:
             pixels = crop_and_flip(pixels, max(1, round(pixels.shape[1] / 8)), generator)  # 4 pixels at 32x32
-        return ((pixels.permute(0, 3, 1, 2).float() - self.mean) / self.std).contiguous(
-            memory_format=self.memory_format
-        )
+        x = (pixels.permute(0, 3, 1, 2).float() - self.mean) / self.std
+        return x.contiguous(memory_format=self.memory_format)
 
     def augmentation(self, seed: int, epoch: int, rank: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed_for(seed, epoch, rank))  # differs per rank
@@ -287,9 +245,8 @@ class MemoryLoader(Loader):
 
     def eval_batches(self, world_size: int, rank: int) -> Any:
         """This rank's contiguous part of the split: over all ranks every image exactly once."""
-        for batch in torch.tensor_split(torch.arange(len(self), device=self.device), world_size)[rank].split(
-            EVAL_BATCH
-        ):
+        part = torch.tensor_split(torch.arange(len(self), device=self.device), world_size)[rank]
+        for batch in part.split(EVAL_BATCH):
             yield self.prepare(self.pixels[batch]), self.labels[batch]
 
 
@@ -309,15 +266,15 @@ class StreamLoader(Loader):
         if "train" not in self.readers:  # DDP: each rank's shard of one shuffle; drop_last: every rank as many steps
             sampler = DistributedSampler(self.files, world_size, rank, shuffle=True, seed=seed, drop_last=True)
             persistent = {"persistent_workers": True} if self.workers else {}
-            self.readers["train"] = self.reader(global_batch // world_size, sampler, drop_last=True, **persistent)
+            self.readers["train"] = self._reader(global_batch // world_size, sampler, drop_last=True, **persistent)
         self.readers["train"].sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same on every rank
         yield from self._batches(self.readers["train"], self.augmentation(seed, epoch, rank))
 
     def eval_batches(self, world_size: int, rank: int) -> Any:
         part = torch.tensor_split(torch.arange(len(self)), world_size)[rank].tolist()  # no image padded in or left out
-        yield from self._batches(self.reader(EVAL_BATCH // 2, part), None)
+        yield from self._batches(self._reader(EVAL_BATCH // 2, part), None)
 
-    def reader(self, batch_size: int, sampler: Any, **options: Any) -> DataLoader:
+    def _reader(self, batch_size: int, sampler: Any, **options: Any) -> DataLoader:
         return reader(self.files, batch_size, sampler, self.workers, self.device.type == "cuda", **options)
 
     def _batches(self, batches: DataLoader, generator: torch.Generator | None) -> Any:
@@ -352,14 +309,12 @@ def crop_and_flip(pixels: torch.Tensor, pad: int, generator: torch.Generator) ->
     image, done with one gather. uint8 (B, H, W, C) in and out."""
     batch, height, width, _ = pixels.shape
     shifts = torch.randint(-pad, pad + 1, (2, batch, 1), generator=generator, device=pixels.device)
-    rows = _reflect(torch.arange(height, device=pixels.device) + shifts[0], height)
-    cols = _reflect(torch.arange(width, device=pixels.device) + shifts[1], width)
+
+    def reflect(index: torch.Tensor, size: int) -> torch.Tensor:  # off either edge, mirrored back into 0..size-1
+        return torch.where(index.abs() > size - 1, 2 * (size - 1) - index.abs(), index.abs())
+
+    rows = reflect(torch.arange(height, device=pixels.device) + shifts[0], height)
+    cols = reflect(torch.arange(width, device=pixels.device) + shifts[1], width)
     flip = torch.rand(batch, 1, generator=generator, device=pixels.device) < 0.5
     cols = torch.where(flip, width - 1 - cols, cols)
     return pixels[torch.arange(batch, device=pixels.device)[:, None, None], rows[:, :, None], cols[:, None, :]]
-
-
-def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
-    """Indices that fall off either edge mirror back into 0..size-1 (reflect padding)."""
-    index = index.abs()
-    return torch.where(index > size - 1, 2 * (size - 1) - index, index)

@@ -13,6 +13,7 @@ import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,9 +58,8 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
     stops the others) and SignalException when this process is stopped (the agent passes the signal on to the ranks)."""
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex, max_restarts=0)
     config.rdzv_backend, config.rdzv_endpoint = "c10d", "localhost:0"  # a standalone rendezvous on a free port
-    config.local_addr = (
-        "127.0.0.1"  # else the agent hands the ranks this machine's full hostname, which may not resolve
-    )
+    # 127.0.0.1: else the agent hands the ranks this machine's full hostname, which may not resolve
+    config.local_addr = "127.0.0.1"
     config.monitor_interval = 0.1  # seconds between the agent's looks at the ranks: a failure stops the others at once
     config.start_method = "fork"  # a function entrypoint only: forked from this process, which imported torch already
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # ranks get a store of their own (pytorch#135712)
@@ -67,14 +67,8 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):  # the agent's log: our lines say what happened
         logging.getLogger(name).addHandler(logging.NullHandler())
         logging.getLogger(name).propagate = False
-    with failures.ranks_start_with_stops_held():
-        elastic_launch(config, entrypoint)(*args)
-
-
-def world_size(requested: int, gpus: int) -> int:
-    """The number of ranks: torchrun's when it started this process; else `requested`, 0 meaning every GPU (2
-    processes on a machine without one)."""
-    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else requested or gpus or 2
+    failures.hold_stop_signals_for_ranks()
+    elastic_launch(config, entrypoint)(*args)
 
 
 def choose_device(local_rank: int, local_world_size: int, gpus: int) -> tuple[torch.device, str]:
@@ -87,8 +81,7 @@ def choose_device(local_rank: int, local_world_size: int, gpus: int) -> tuple[to
     if gpus == 1:
         return torch.device("cuda", 0), "nccl"
     raise UserError(
-        f"{local_world_size} processes on this machine but each sees {gpus} GPUs: two ranks would share a GPU; "
-        f"start one process per GPU (--nproc_per_node={gpus}), or give each process exactly one GPU"
+        f"{local_world_size} ranks here would share {gpus} GPUs; start one per GPU (--nproc_per_node={gpus})"
     )
 
 
@@ -124,8 +117,5 @@ def bf16_is_fast(device: torch.device) -> bool:
     """bf16 autocast pays off on GPUs with bf16 (Ampere on) and on CPUs with native bf16 instructions."""
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 0)
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(flag in f.read() for flag in ("avx512_bf16", "amx_bf16"))
-    except OSError:  # not Linux
-        return False
+    cpu = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""  # Linux names CPU features
+    return "avx512_bf16" in cpu or "amx_bf16" in cpu

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 # The quintic Newton-Schulz iteration's coefficients, chosen (by Muon's authors) to push every singular value of a
 # matrix scaled to norm 1 towards 1 in five steps.
@@ -75,36 +76,25 @@ class MuonSGD(torch.optim.Optimizer):
 
 def orthogonalise_shared(updates: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """Each update orthogonalised as a matrix (rows x the rest). In a process group, each rank orthogonalises its
-    share (dealt out by cost, the dearest first, to the rank with the least so far) and broadcasts its results in
-    one flat tensor (one message per rank, not per bank: a gloo broadcast costs about 0.5 ms however small); every
-    rank receives the others'. The updates are the same on every rank (DDP averaged the gradients), and so are the
-    weights after the step."""
+    share (dealt out by cost, the dearest first, like cards) into one flat tensor that is zero elsewhere, and one
+    all-reduce sums the shares: every rank gets every result. The updates are the same on every rank (DDP averaged
+    the gradients), and so are the weights after the step."""
     grouped = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
     shapes = [sorted((len(u), u[0].numel())) for u in updates]
-    costs = [short * short * long for short, long in shapes]  # the products' multiply-adds
-    owner, load = {}, [0] * world_size
-    for i in sorted(range(len(updates)), key=lambda i: -costs[i]):
-        owner[i] = load.index(min(load))
-        load[owner[i]] += costs[i]
-    results: list = [None] * len(updates)
-    for i in [i for i in owner if owner[i] == rank]:  # this rank's share
-        results[i] = orthogonalise(updates[i].flatten(1), dtype if shapes[i][0] >= BF16_FROM else torch.float32)
-    for source in range(world_size if world_size > 1 else 0):  # the same order on every rank
-        banks = [i for i in range(len(updates)) if owner[i] == source]
-        if not banks:  # more ranks than filter banks
-            continue
-        sizes = [updates[i].numel() for i in banks]
-        flat = torch.cat([results[i].flatten() for i in banks]) if source == rank else updates[0].new_empty(sum(sizes))
-        dist.broadcast(flat, src=source)
-        for i, piece in zip(banks, flat.split(sizes), strict=True):
-            results[i] = piece.view(len(updates[i]), -1)
-    return results
+    dearest_first = sorted(range(len(updates)), key=lambda i: -(shapes[i][0] ** 2) * shapes[i][1])  # multiply-adds
+    sizes = [u.numel() for u in updates]
+    flat = torch.zeros(sum(sizes), device=updates[0].device if updates else None)
+    pieces = flat.split(sizes)
+    for i in dearest_first[rank::world_size]:  # this rank's share
+        matrix = orthogonalise(updates[i].flatten(1), dtype if shapes[i][0] >= BF16_FROM else torch.float32)
+        pieces[i].copy_(matrix.flatten())
+    if world_size > 1:
+        dist.all_reduce(flat)
+    return [piece.view(len(u), -1) for piece, u in zip(pieces, updates, strict=True)]
 
 
-def make_optimizer(
-    cfg: Any, model: torch.nn.Module, lr: float, device: torch.device, bf16: bool
-) -> torch.optim.Optimizer:
+def make_optimizer(cfg: Any, model: nn.Module, lr: float, device: torch.device, bf16: bool) -> torch.optim.Optimizer:
     """One fused kernel per step on GPUs, foreach (a few batched kernels) elsewhere; Muon: MuonSGD above."""
     if cfg.OPTIMIZER == "muon":
         return MuonSGD(model.parameters(), lr, cfg.MOMENTUM, cfg.WEIGHT_DECAY, cfg.MUON_SCALE, bf16)

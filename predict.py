@@ -29,20 +29,19 @@ class Classifier:
     """A run's network (make_model with the checkpoint's settings) and weights, its preprocessing (IMAGE_SIZE, the
     stretch, the normalisation, TTA) and class names, all read from its checkpoint. fp32, on a GPU when there is one."""
 
-    def __init__(self, checkpoint_path: str, device: str | None = None) -> None:
-        saved = read_checkpoint(checkpoint_path)
+    def __init__(self, path: str, device: str | None = None) -> None:
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # missing, or not a file that torch wrote
+            raise UserError(f"cannot read {path} ({first_line(e, 80)}); give a run's checkpoint.pt") from None
+        if not (isinstance(saved, dict) and {"model", "config", "data"} <= saved.keys()):
+            raise UserError(f"{path} is not a checkpoint of train_distribute.py; give a run's checkpoint.pt")
         cfg = SimpleNamespace(**{**vars(settings.read(train_distribute, [])), **saved["config"]})
         record, self.tta = saved["data"], cfg.TTA
         self.classes, self.image_size = list(record["classes"]), int(record["image_size"])
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = train_distribute.make_model(cfg, len(self.classes))
-        try:
-            self.model.load_state_dict(saved["model"])
-        except RuntimeError as e:
-            raise UserError(
-                f"{checkpoint_path} holds another network than make_model builds now ({first_line(e, 100)}); predict "
-                f"with the make_model that trained it"
-            ) from None
+        self.model.load_state_dict(saved["model"])  # torch names each difference from make_model's network
         self.model.to(self.device, memory_format=torch.channels_last).eval()
         self.loader = data.Loader(False, record["mean"], record["std"], self.device, torch.channels_last)
 
@@ -55,20 +54,6 @@ class Classifier:
         """The softmax of the logits the run's evaluation uses, for uint8 images (N, IMAGE_SIZE, IMAGE_SIZE, 3)."""
         x = self.loader.prepare(pixels.to(self.device))
         return train_distribute.eval_logits(self.model, x, self.tta).softmax(dim=1).cpu()
-
-
-def read_checkpoint(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise UserError(f"checkpoint {path} does not exist; give the checkpoint.pt in a run's OUTPUT_DIR")
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UserError(f"cannot read {path} ({first_line(e, 80)}); give a checkpoint.pt that a run wrote") from None
-    if not (isinstance(saved, dict) and {"model", "config", "data"} <= saved.keys()):
-        raise UserError(
-            f"{path} is not a checkpoint of train_distribute.py; give the checkpoint.pt in a run's OUTPUT_DIR"
-        )
-    return saved
 
 
 def image_paths(paths: list[str]) -> list[str]:
@@ -93,30 +78,22 @@ def main(argv: list[str]) -> int:
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     try:
         classifier, paths = Classifier(argv[0]), image_paths(argv[1:])
-        rows, unreadable = [], []
-        for start in range(0, len(paths), BATCH):
-            batch, pixels = [], []
-            for path in paths[start : start + BATCH]:
-                try:
-                    pixels.append(torch.from_numpy(data.decode(path, classifier.image_size)))
-                    batch.append(path)
-                except Exception:  # truncated, or not an image after all
-                    unreadable.append(path)
-            for path, p in zip(batch, classifier.probabilities(torch.stack(pixels)) if pixels else [], strict=True):
-                rows.append([path, classifier.classes[p.argmax()], f"{p.max():.6f}"])
-        if unreadable:
-            print(
-                f"warning: skipped {len(unreadable)} file(s) that cannot be read as images: {unreadable[0]}",
-                file=sys.stderr,
-            )
+        files, probabilities, marks = data.ImageFiles([(p, 0) for p in paths], classifier.image_size), [], []
+        for pixels, _, marked in data.reader(files, BATCH, None, workers=0, pin=False):  # an unreadable file: marked
+            probabilities.append(classifier.probabilities(pixels))
+            marks.append(marked)
+        readable = (torch.cat(marks) < 0).tolist()
+        found = zip(paths, torch.cat(probabilities), readable, strict=True)
+        rows = [[path, classifier.classes[p.argmax()], f"{p.max():.6f}"] for path, p, ok in found if ok]
         if not rows:
             raise UserError("none of the images could be read; give image files that open as images")
+        if skipped := [path for path, ok in zip(paths, readable, strict=True) if not ok]:
+            print(f"warning: skipped {len(skipped)} file(s) that are no images: {skipped[0]}", file=sys.stderr)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     sys.stdout.reconfigure(encoding="utf-8")
-    writer = csv.writer(sys.stdout, lineterminator="\n")
-    writer.writerows([["path", "class", "probability"], *rows])
+    csv.writer(sys.stdout, lineterminator="\n").writerows([["path", "class", "probability"], *rows])
     return 0
 
 

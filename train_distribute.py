@@ -14,7 +14,6 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -30,7 +29,7 @@ import distribute_tools
 import muon
 from distribute_tools import DistInfo
 from resnet import ResNet
-from safeguards import checks, failures, files, start
+from safeguards import failures, files, settings, start
 from safeguards.failures import UserError
 
 # ----------------------------------------------------------------------------- settings
@@ -42,9 +41,8 @@ IMAGE_SIZE: int = 32  # images of another size are stretched to this square; CIF
 LOADER: Literal["auto", "memory", "stream"] = "auto"  # memory: the set on the device; stream: files read as it trains
 NUM_WORKERS: int = -1  # stream: decoding processes per rank; -1: the rank's share of the cores less one (min. 1)
 WIDTH: int = 64  # channels of the first layer: 64 is the seed's network (9.6 M parameters); 8 or 16 for quick runs
-RELU_AFTER_SUM: bool = True  # ReLU on each residual block's sum, as standard ResNets do; False: the seed's block
 # the recipe; the seed's: --optimizer adam --lr 1e-3 --schedule constant --batch_size 256 --epochs 100
-# --weight_decay 0 --label_smoothing 0 --augment False --tta False --relu_after_sum False
+# --weight_decay 0 --label_smoothing 0 --augment False --tta False
 EPOCHS: int = 30  # passes over the training set
 BATCH_SIZE: int = 512  # global batch: images per optimizer step over all ranks together, split evenly between them
 OPTIMIZER: Literal["sgd", "adam", "muon"] = "muon"  # muon: Muon on the filters, sgd on the rest; adam: the seed's
@@ -61,8 +59,6 @@ SEED: int = 0  # model init, data order and augmentation derive from SEED, the e
 # speed, hardware and processes (a resumed run may change these)
 AMP: bool = True  # bf16 autocast on GPUs and on CPUs with native bf16 (fp32 elsewhere, or when False)
 COMPILE: bool = False  # torch.compile the model: faster steps after a minute or more of compiling
-ACCUMULATE: int = 1  # split each rank's share of a batch into this many micro-batches (less memory, same recipe)
-SYNC_BN: bool = False  # GPUs: BatchNorm statistics over the global batch instead of each rank's share (small batches)
 WORLD_SIZE: int = 0  # processes to start: 0 = one per GPU (2 on a machine without GPUs); torchrun decides there
 RESUME: bool = False  # continue the run in OUTPUT_DIR from its checkpoint.pt (torchrun/SLURM restarts do it anyway)
 COLLECTIVE_TIMEOUT: int = 600  # seconds a rank waits for the others in a collective before the run fails
@@ -70,7 +66,7 @@ COLLECTIVE_TIMEOUT: int = 600  # seconds a rank waits for the others in a collec
 
 def make_model(cfg: SimpleNamespace, num_classes: int) -> nn.Module:
     """The network. Swap in yours here: any module that maps a batch of images to logits."""
-    return ResNet(cfg.WIDTH, num_classes=num_classes, relu_after_sum=cfg.RELU_AFTER_SUM)
+    return ResNet(cfg.WIDTH, num_classes=num_classes)
 
 
 # ----------------------------------------------------------------------------- one rank's run
@@ -110,15 +106,10 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
     torch.backends.cudnn.benchmark = info.device.type == "cuda"  # fixed shapes: pick the fastest convolution once
     torch.manual_seed(cfg.SEED)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = make_model(cfg, len(record["classes"]))
-    checks.route_around_cpu_crashes(model, info.device)  # a oneDNN bug on AVX-512 CPUs: docs/cpu-kinds.md
-    if cfg.SYNC_BN:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(info.device, memory_format=torch.channels_last)  # what tensor cores want; faster on CPUs too
+    device_ids = [info.device.index] if info.device.type == "cuda" else None  # on GPUs, this rank's own
     ddp_model: nn.Module = DistributedDataParallel(  # DDP: wrap the model; gradients are all-reduced in buckets
-        model,
-        device_ids=[info.device.index] if info.device.type == "cuda" else None,
-        gradient_as_bucket_view=True,
-        **distribute_tools.NO_BUFFER_SYNC,
+        model, device_ids, gradient_as_bucket_view=True, **distribute_tools.NO_BUFFER_SYNC
     )
     if cfg.COMPILE:
         ddp_model = torch.compile(ddp_model)  # after wrapping, so that DDP's bucketed all-reduce keeps overlapping
@@ -145,8 +136,6 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
             (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
             test_loss, acc = evaluate(run)
             epoch_seconds = time.perf_counter() - epoch_started
-            peak = torch.tensor([files.peak_memory_mb(info.device)], device=info.device)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # DDP: the largest rank's peak memory
             # DDP: every rank; rank 0 waits for the previous epoch's files (a failed write stops every rank)
             waited = failures.all_ranks_try(writer.wait if writer else None) or 0.0
             row = {  # one CSV column per key, in this order
@@ -159,12 +148,14 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
                 "epoch_seconds": epoch_seconds,  # this epoch's training steps and evaluation
                 "elapsed_seconds": earlier_seconds + time.perf_counter() - started,
                 "images_per_second": images / train_seconds,  # all ranks' training images per second of steps
-                "peak_memory_mb": peak.item(),  # the largest rank's
+                "peak_memory_mb": files.peak_memory_mb(info.device),  # rank 0's (the ranks do the same work)
                 "write_wait_seconds": waited,  # how long training waited for the previous epoch's files
             }
             history.append(row)
-            if writer:
-                writer.submit(checkpoint_of(run, history), history)
+            if writer:  # checkpoint.pt: weights (no DDP prefixes), optimizer, the rows so far, what resume checks
+                state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "history": history}
+                state |= {"epoch": epoch, "config": vars(cfg), "data": run.data}
+                writer.submit(state, history)
                 print(files.epoch_line(row, cfg.EPOCHS), flush=True)
     finally:
         if writer:
@@ -172,12 +163,6 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     failures.ignore_stop_signals()  # the run is complete: a stop signal now changes nothing
     if writer:
         print(files.summary_line(history, cfg.OUTPUT_DIR), flush=True)
-
-
-def checkpoint_of(run: Run, history: list[dict]) -> dict[str, Any]:
-    """What checkpoint.pt holds: weights (no DDP prefixes), optimizer, the rows so far, what resume checks."""
-    state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "history": history}
-    return {**state, "epoch": len(history), "config": vars(run.cfg), "data": run.data, "run_ids": start.run_ids()}
 
 
 # ----------------------------------------------------------------------------- training
@@ -210,7 +195,7 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
     started, lr = time.perf_counter(), 0.0
     # DDP: this rank's shard of the epoch (every rank draws the same order and takes its own part)
     batches = run.train_data.train_batches(cfg.BATCH_SIZE, info.world_size, info.rank, cfg.SEED, epoch)
-    for step, (x, y) in enumerate(files.progress(batches, steps, f"epoch {epoch}/{cfg.EPOCHS}", info.is_main)):
+    for step, (x, y) in enumerate(batches):
         torch.manual_seed(data.seed_for(cfg.SEED, epoch, info.rank, step))  # the network's dropout: resumes exactly
         lr = lr_at((epoch - 1) * steps + step, cfg.EPOCHS * steps, peak_lr(cfg), cfg.SCHEDULE, cfg.WARMUP)
         train_step(run, x, y, lr, loss_fn, sums)
@@ -226,21 +211,18 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
 
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: Callable, sums: torch.Tensor) -> None:
-    """One optimizer step on this rank's share of the global batch, in ACCUMULATE micro-batches. Adds [loss x images,
-    correct, images] to the device tensor `sums` (no host sync)."""
+    """One optimizer step on this rank's share of the global batch. Adds [loss x images, correct, images] to the
+    device tensor `sums` (no host sync)."""
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     run.optimizer.zero_grad(set_to_none=True)
-    micro_batches = list(zip(x.chunk(run.cfg.ACCUMULATE), y.chunk(run.cfg.ACCUMULATE), strict=True))
-    for i, (xs, ys) in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        with run.autocast(), nullcontext() if last else run.ddp_model.no_sync():  # DDP: all-reduce in the last only
-            logits = run.ddp_model(xs)
-            loss = loss_fn(logits, ys)
-        (loss * (len(ys) / len(y))).backward()  # DDP: gradients are averaged over the ranks during backward
-        sums[0] += loss.detach().float() * len(ys)
-        sums[1] += (logits.argmax(dim=1) == ys).sum()
-        sums[2] += len(ys)
+    with run.autocast():
+        logits = run.ddp_model(x)
+        loss = loss_fn(logits, y)
+    loss.backward()  # DDP: gradients are averaged over the ranks during backward, bucket by bucket
+    sums[0] += loss.detach().float() * len(y)
+    sums[1] += (logits.argmax(dim=1) == y).sum()
+    sums[2] += len(y)
     run.optimizer.step()  # DDP: Muon's step broadcasts each rank's share of the filters' updates
 
 
@@ -280,13 +262,13 @@ def main(argv: list[str], entrypoint: Callable | str = sys.executable) -> int:
     """`python train_distribute.py`: check the settings, get the data once, start the ranks; the run's exit code. A
     rank (started by torchrun, or by this launcher through torch's elastic agent) runs main_worker."""
     if distribute_tools.under_torchrun():
-        return failures.run_rank(lambda: main_worker(checks.read_and_check(sys.modules[__name__], argv)[0]))
+        return failures.run_rank(lambda: main_worker(settings.read_and_check(sys.modules[__name__], argv)[0]))
     return failures.run_launcher(lambda: launch(argv, entrypoint))
 
 
 def launch(argv: list[str], entrypoint: Callable | str) -> None:
     """The launcher: the checks, the start rule on this machine's OUTPUT_DIR, the data made ready once, the ranks."""
-    cfg, world_size = checks.read_and_check(sys.modules[__name__], argv)
+    cfg, world_size = settings.read_and_check(sys.modules[__name__], argv)
     if start.decide_here(cfg) == "finished":  # a resume of a complete run has nothing to do
         return
     data.prepare(cfg)  # download CIFAR-10 once, for every rank

@@ -9,9 +9,7 @@
 #   4. the same run compiled: compile time, and the epoch from which COMPILE is ahead on the wall clock
 #   5. the seed's recipe (Adam, constant LR, no augmentation) at width 64 for 30 epochs: its constant LR makes
 #      these the first 30 epochs of its 100; the epoch and the seconds at which it first reaches 94%, if it does
-#   6. the stream loader against the memory loader, width 64, global batch 512: images/s and the share of each
-#      step spent waiting for its batch (needs an image folder; at most a minute, not yet timed)
-# STEPS picks steps, e.g. STEPS=6 bash benchmarks/gpu_check.sh DIR runs step 6 alone (3 runs 3, 4 and 5).
+# STEPS picks steps, e.g. STEPS=2 bash benchmarks/gpu_check.sh DIR runs step 2 alone (3 runs 3, 4 and 5).
 # The default EPOCHS becomes the smallest count at which run 3 reached 94%, once a GPU has measured it.
 # usage: bash benchmarks/gpu_check.sh [IMAGEFOLDER_DIR | ARCHIVE.tar.gz]
 #   IMAGEFOLDER_DIR holds train/ and test/; an archive of such a tree is unpacked into runs/gpu-data first.
@@ -34,7 +32,7 @@ if [ -n "${1:-}" ]; then
   data=(--dataset=imagefolder "--data_dir=$root")
 fi
 
-want() { [[ " ${STEPS:-1 2 3 6} " == *" $1 "* ]]; }
+want() { [[ " ${STEPS:-1 2 3} " == *" $1 "* ]]; }
 stamp() {  # each line, prefixed by the seconds since this filter (and the command before the pipe) started
   python3 -u -c 'import sys, time
 started = time.monotonic()
@@ -52,15 +50,10 @@ echo "== 2. GPU idle share over 20 profiled steps"
 python3 -m benchmarks.gpu_profile --width=64 --batch_size=512 --steps=20
 python3 -m benchmarks.gpu_profile --width=64 --batch_size=512 --steps=20 --compile
 }
-if want 6 && [ "${data[0]}" = --dataset=imagefolder ]; then
-  echo "== 6. the stream loader against the memory loader (width 64, global batch 512, one GPU)"
-  python3 -m benchmarks.loader --data_dir="$root" --only speed --runs 64x32 --pipelines stream memory \
-    --world_size=1 --batch_size=512 --seconds=5 --repeats=1 --images=25600
-fi
 want 3 || exit 0
 
 seed_recipe=(--optimizer=adam --lr=1e-3 --schedule=constant --batch_size=256 --weight_decay=0 --label_smoothing=0
-             --augment=False --tta=False --relu_after_sum=False --epochs=30)
+             --augment=False --tta=False --epochs=30)
 for mode in eager compiled seed; do
   echo "== 3/4/5. accuracy: width 64, $mode"
   out=runs/gpu-accuracy-$mode

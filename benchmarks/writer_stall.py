@@ -33,11 +33,8 @@ def write_in_line() -> None:
     from safeguards import files
 
     def submit(self: files.ResultWriter, checkpoint: dict, history: list) -> None:
-        snapshot = files.cpu_copy(checkpoint)
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # the copies from the GPU are done
         path = os.path.join(self.output_dir, files.CHECKPOINT_NAME)
-        files.write_atomically(path, lambda tmp: torch.save(snapshot, tmp))
+        files.write_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
         files.write_csv(history, self.output_dir)
         files.plot(history, self.output_dir)
         self.saved, self.plotted = list(history), len(history)  # close() has nothing left to write

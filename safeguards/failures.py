@@ -7,7 +7,6 @@ Started by `python train_distribute.py`, a rank hands its line to the launcher i
 (TORCHELASTIC_ERROR_FILE), and the launcher prints the run's; under torchrun, the rank prints it.
 """
 
-import contextlib
 import ctypes
 import json
 import os
@@ -16,7 +15,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -57,7 +56,7 @@ def handle_stop_signals() -> None:
     """From here on the first stop signal raises Stopped; a later one changes nothing (the files are being finished).
     Once the rank is ending, or while a lost peer's error unwinds (the signal that ended the peer reached this rank
     too), it is only noted: the files are finished all the same. A signal held back until now
-    (ranks_start_with_stops_held) arrives here."""
+    (hold_stop_signals_for_ranks) arrives here."""
 
     def on_signal(signum: int, frame: object) -> None:
         if not _received:
@@ -76,17 +75,12 @@ def ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-@contextlib.contextmanager
-def ranks_start_with_stops_held() -> Iterator[None]:
-    """Rank processes started in the block inherit the stop signals held back, so that a Ctrl-C while they import
+def hold_stop_signals_for_ranks() -> None:
+    """Rank processes started from now on inherit the stop signals held back, so that a Ctrl-C while they import
     torch waits for their handle_stop_signals instead of printing a traceback. This process still gets them: a
     thread that does not hold them back takes them, and Python runs the handlers in the main thread as always."""
     threading.Thread(target=threading.Event().wait, name="stop-signals", daemon=True).start()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 def guard_parent(launcher: str | None) -> None:
@@ -170,12 +164,6 @@ def outcome(error: BaseException) -> tuple[int, str]:
     if stop is not None:
         word = "interrupted" if stop == signal.SIGINT else f"stopped by {signal.Signals(stop).name}"
         return (EXIT_INTERRUPTED if stop == signal.SIGINT else EXIT_STOPPED), f"{word}: {KEPT}"
-    if isinstance(error, RuntimeError) and "find_unused_parameters=True" in str(error):  # DDP's, as one line
-        unused = str(error).rpartition("did not receive grad for ")[2].split("\n")[0].strip()
-        error = UserError(
-            f"the network has parameters that no training step uses ({unused}); pass find_unused_parameters=True to "
-            f"DistributedDataParallel in build_run, or leave them out"
-        )
     if isinstance(error, UserError):
         return EXIT_MISTAKE, f"error: {error}"
     rank = os.environ.get("RANK", "0")
@@ -189,7 +177,8 @@ def outcome(error: BaseException) -> tuple[int, str]:
 
 def _say(code: int, line: str) -> None:
     """Under our launcher the line goes to the launcher, which prints the run's; under torchrun this rank prints it
-    where it is the one to: each machine's local rank 0 for a stop or a mistake, every rank for a failure."""
+    where it is the one to: each machine's local rank 0 for a stop or a mistake, every rank for a failure. (torchrun
+    restarts a mistake as any failure while restarts are left: it fails again, in the same line.)"""
     sys.stdout.flush()
     if os.environ.get(LAUNCHER_PID):
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
@@ -198,15 +187,6 @@ def _say(code: int, line: str) -> None:
         return
     if code == 1 or os.environ.get("LOCAL_RANK") == "0":
         print(kept_files(line), file=sys.stderr, flush=True)  # this rank's writer is closed: its files are whole
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
-    )
-    if code == EXIT_MISTAKE and restarts > 0:  # a mistake fails again after a restart: ask torchrun to stop
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM ends every worker; none leaves first
-        for _ in range(5):  # again each second: a signal that lands while torchrun forks a worker is dropped
-            if os.environ.get("LOCAL_RANK") == "0":
-                os.kill(os.getppid(), signal.SIGTERM)
-            time.sleep(1)
 
 
 def lost_peer(error: BaseException | None) -> bool:

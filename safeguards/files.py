@@ -2,11 +2,10 @@
 the old one (a crash or kill -9 at any moment leaves the previous whole file or the new whole file), on a background
 thread so that training never waits for the disk."""
 
-import errno
+import copy
 import os
 import resource
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,10 +44,9 @@ class ResultWriter:
         return time.perf_counter() - started
 
     def submit(self, checkpoint: dict[str, Any], history: list[dict]) -> None:
-        """Hand over one epoch's files; the checkpoint is copied to the CPU now (training goes on changing it)."""
-        snapshot, ready = cpu_copy(checkpoint), torch.cuda.Event() if torch.cuda.is_initialized() else None
-        ready.record() if ready else None  # the copies from the GPU are queued behind the epoch's kernels
-        self.pending = self.pool.submit(self._write, snapshot, list(history), ready)
+        """Hand over one epoch's files; the checkpoint is copied now (training goes on changing it): on a GPU the copies
+        are queued behind the epoch's kernels, and the writer's torch.save waits for them on the same stream."""
+        self.pending = self.pool.submit(self._write, copy.deepcopy(checkpoint), list(history))
 
     def close(self) -> None:
         """Finish the pending files, then draw the picture of every epoch they hold (never of one that failed)."""
@@ -59,8 +57,7 @@ class ResultWriter:
         finally:
             self.pool.shutdown()
 
-    def _write(self, snapshot: dict[str, Any], history: list[dict], ready: Any) -> None:
-        ready.synchronize() if ready else None
+    def _write(self, snapshot: dict[str, Any], history: list[dict]) -> None:
         write_atomically(os.path.join(self.output_dir, CHECKPOINT_NAME), lambda tmp: torch.save(snapshot, tmp))
         write_csv(history, self.output_dir)  # after the checkpoint: the CSV can always be rebuilt from it
         self.saved = history
@@ -73,31 +70,12 @@ class ResultWriter:
 def write_failure(error: Exception, output_dir: str) -> str:
     """Why a write failed, what to do, and which checkpoint there is to continue from."""
     where = getattr(error, "filename", None) or f"the files in {output_dir}"
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]  # torch.save reports it without its cause
-    if limit != resource.RLIM_INFINITY and (
-        getattr(error, "errno", None) == errno.EFBIG or not isinstance(error, OSError)
-    ):
-        reason, fix = f"the file size limit, ulimit -f, is {limit // 1024} KB", "raise it (ulimit -f unlimited)"
-    elif isinstance(error, OSError) and error.strerror:
-        reason, fix = error.strerror, "free space or choose another --output_dir"
-    elif shutil.disk_usage(output_dir).free < 2**26:  # torch.save reports a full disk without its cause
-        reason, fix = "No space left on device", "free space or choose another --output_dir"
-    else:
-        reason, fix = f"{type(error).__name__}: {first_line(error, 100)}", "check the disk and its free space"
+    reason = error.strerror if isinstance(error, OSError) else f"{type(error).__name__}: {first_line(error, 100)}"
+    if shutil.disk_usage(output_dir).free < 2**26:  # torch.save reports a full disk without its cause
+        reason = "No space left on device"
     kept = checkpoint_epoch(output_dir)
     then = f"continue with --resume True (the checkpoint of epoch {kept} is kept)" if kept else "start the run again"
-    return f"could not write {where} ({reason}); {fix}, then {then}"
-
-
-def cpu_copy(value: Any) -> Any:
-    """A copy on the CPU of every tensor in nested dicts and lists (queued, from a GPU)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", non_blocking=True, copy=True)
-    if isinstance(value, dict):
-        return {key: cpu_copy(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(cpu_copy(item) for item in value)
-    return value
+    return f"could not write {where} ({reason}); free space or choose another --output_dir, then {then}"
 
 
 def write_atomically(path: str, write: Callable[[str], None]) -> None:
@@ -128,26 +106,16 @@ def write_csv(history: list[dict], output_dir: str) -> None:
     write_atomically(os.path.join(output_dir, CSV_NAME), lambda tmp: pd.DataFrame(history).to_csv(tmp, index=False))
 
 
-PANELS = [  # the picture: (title, y label, [(column, scale, style, label)])
-    ("Loss", "cross-entropy", [("loss", 1, "o-", "train loss (label-smoothed)"), ("test_loss", 1, "s-", "test loss")]),
-    ("Accuracy", "accuracy (%)", [("acc", 100, "o-", "test"), ("train_acc", 100, "--", "train")]),
-    ("Learning rate (at epoch end)", "learning rate", [("lr", 1, "o-", None)]),
-]
-
-
 def plot(history: list[dict], output_dir: str) -> None:
     """Loss, accuracy and learning rate against epoch, as a PNG (matplotlib's Figure: no display, no global state)."""
     from matplotlib.figure import Figure
 
-    rows, figure = pd.DataFrame(history), Figure(figsize=(13, 3.8))
-    for ax, (title, ylabel, curves) in zip(figure.subplots(1, 3), PANELS, strict=True):
-        for column, scale, style, label in curves:
-            ax.plot(rows.epoch, scale * rows[column], style, label=label)
-        best = f" (best test {100 * rows.acc.max():.2f}%)" if title == "Accuracy" else ""
-        ax.set(title=title + best, xlabel="epoch", ylabel=ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend() if curves[0][3] else None
-    figure.subplots_adjust(left=0.05, right=0.99, bottom=0.14, top=0.91, wspace=0.22)
+    rows, figure = pd.DataFrame(history).set_index("epoch"), Figure(figsize=(13, 3.8), layout="tight")
+    loss, accuracy, lr = figure.subplots(1, 3)
+    rows[["loss", "test_loss"]].plot(ax=loss, style="o-", title="Loss (train: label-smoothed)", grid=True)
+    best = f"Accuracy, % (best test {100 * rows.acc.max():.2f})"
+    (100 * rows[["acc", "train_acc"]]).plot(ax=accuracy, style=["o-", "--"], title=best, grid=True)
+    rows.lr.plot(ax=lr, style="o-", title="Learning rate (at epoch end)", grid=True)
     write_atomically(os.path.join(output_dir, PLOT_NAME), lambda tmp: figure.savefig(tmp, dpi=110, format="png"))
 
 
@@ -181,12 +149,3 @@ def summary_line(history: list[dict], output_dir: str) -> str:
     best, last = max(history, key=lambda row: row["acc"]), history[-1]
     accuracy = f"best acc {best['acc']:.4f} (epoch {best['epoch']}), final acc {last['acc']:.4f}"
     return f"done: {len(history)} epochs; {accuracy}; results in {output_dir}"
-
-
-def progress(batches: Any, steps: int, title: str, is_main: bool) -> Any:
-    """Rank 0's progress bar on a terminal (steps only: no host sync); the batches as they are elsewhere."""
-    if not (is_main and sys.stdout.isatty()):
-        return batches
-    from tqdm import tqdm
-
-    return tqdm(batches, total=steps, desc=title, unit="step", leave=False, file=sys.stdout)

@@ -1,25 +1,28 @@
 """The constants at the top of the training script as its command line: `--name value` or `--name=value` for each
 UPPER_CASE constant with a type annotation, `--help` with its type, default, choices and the comment on its line,
-and one line for a value of the wrong type or out of range (in the file or on the command line)."""
+and one line for a value of the wrong type or out of range (in the file or on the command line); then every check
+that needs no rank, each one line naming the fix."""
 
 import argparse
-import difflib
 import math
+import os
 import re
 import typing
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import torch
+
+import distribute_tools
 from safeguards.failures import UserError
 
 # Settings that may differ between a run and its resumption: where files are, how it is launched and on what
 # hardware, how it evaluates or reports. Every other setting shapes the run, so a new one is checked on resume.
-FREE_ON_RESUME = set("DATA_DIR OUTPUT_DIR RESUME WORLD_SIZE AMP COMPILE SYNC_BN ACCUMULATE TTA".split())
-FREE_ON_RESUME |= {"COLLECTIVE_TIMEOUT", "LOADER", "NUM_WORKERS"}
+FREE_ON_RESUME = set("DATA_DIR OUTPUT_DIR RESUME WORLD_SIZE AMP COMPILE TTA NUM_WORKERS COLLECTIVE_TIMEOUT".split())
 # Allowed ranges: (lowest, highest), None where open.
-LIMITS = {name: (1, None) for name in "EPOCHS BATCH_SIZE SYNTHETIC_SIZE ACCUMULATE COLLECTIVE_TIMEOUT".split()}
+LIMITS = {name: (1, None) for name in "EPOCHS BATCH_SIZE SYNTHETIC_SIZE COLLECTIVE_TIMEOUT WIDTH".split()}
 LIMITS |= {"IMAGE_SIZE": (8, None), "NUM_WORKERS": (-1, None), "WARMUP": (0, 1), "LABEL_SMOOTHING": (0, 0.99)}
-LIMITS |= {"MOMENTUM": (0, 0.999), "WEIGHT_DECAY": (0, 1), "LR": (1e-12, None)}
+LIMITS |= {"MOMENTUM": (0, 0.999), "WEIGHT_DECAY": (0, 1), "LR": (1e-12, None), "WORLD_SIZE": (0, None)}
 BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 KINDS = {int: "an integer, e.g. 1", float: "a number, e.g. 0.1", bool: "True or False", str: "text"}
 DEFAULTS: dict[str, Any] = {}  # each setting's value in the file, as read() found it
@@ -51,6 +54,21 @@ def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
     return cfg
 
 
+def read_and_check(script: ModuleType, argv: list[str]) -> tuple[SimpleNamespace, int]:
+    """The script's settings and the world size, and every check that needs no rank, before anything starts (in the
+    launcher; under torchrun in every rank before it joins the group). Ranks that would share a GPU are refused where
+    each chooses its device (distribute_tools.setup)."""
+    cfg = read(script, argv)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # the first line names the device in use
+    # torchrun's world size when it started this process; else WORLD_SIZE, 0 meaning every GPU (or 2 CPU processes)
+    world_size = int(os.environ["WORLD_SIZE"]) if distribute_tools.under_torchrun() else cfg.WORLD_SIZE or gpus or 2
+    if cfg.BATCH_SIZE % world_size:
+        raise UserError(f"BATCH_SIZE={cfg.BATCH_SIZE} does not split evenly over {world_size} ranks; use a multiple")
+    if cfg.DATASET == "cifar10" and cfg.IMAGE_SIZE != 32:
+        raise UserError(f"IMAGE_SIZE={cfg.IMAGE_SIZE} but CIFAR-10's images are 32x32; use --image_size 32")
+    return cfg, world_size
+
+
 def check_resume(saved: dict[str, Any], cfg: SimpleNamespace, restart: str = "") -> None:
     """A resumed run continues the same run: every setting outside FREE_ON_RESUME as the checkpoint's (one added
     since it was written counts as its default there). `restart`: what made this start a restart (torchrun's or
@@ -59,15 +77,11 @@ def check_resume(saved: dict[str, Any], cfg: SimpleNamespace, restart: str = "")
         was = saved.get(name, DEFAULTS.get(name, value))
         if name in FREE_ON_RESUME or was == value:
             continue
-        if restart:
-            raise UserError(
-                f"this start is a restart ({restart}) of the run in {cfg.OUTPUT_DIR}, whose checkpoint has {name}="
-                f"{was!r} where the settings now say {value!r}; set {name} back to {was!r} to continue it, or end the "
-                f"job and start a new run in another --output_dir"
-            )
+        who = f"this start is a restart ({restart})" if restart else "RESUME=True"
+        fix = f"set {name} back to {was!r}" if restart else f"resume with --{name.lower()} {was}"
         raise UserError(
-            f"RESUME=True but {name}={value!r} differs from the checkpoint's {was!r}; resume with --{name.lower()} "
-            f"{was}, or start a new run"
+            f"{who}: {name}={value!r} differs from the checkpoint's {was!r} in {cfg.OUTPUT_DIR}; "
+            f"{fix}, or start a new run in another --output_dir"
         )
 
 
@@ -93,7 +107,5 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         if message.startswith("unrecognized arguments: --"):
-            name = message.split()[2][2:].partition("=")[0]
-            close = difflib.get_close_matches(name.lower(), [a.dest.lower() for a in self._actions], n=1)
-            message = f"unknown setting --{name}" + (f"; did you mean --{close[0]}?" if close else "")
+            message = f"unknown setting {message.split()[2].partition('=')[0]}"
         raise UserError(f"{message}; write settings as --name value or --name=value (--help lists them)")

@@ -368,17 +368,10 @@ def image_folder_of_noise(root: Path, train: int, test: int, size: int = 32, see
 
 @pytest.fixture(scope="session")
 def tiny_stream(tmp_path_factory) -> list[str]:
-    """TINY's counterpart on the stream loader: half as many images, 16x16, read from PNG files by one worker per
-    rank, and one entry of each kind that the reader skips."""
+    """TINY's counterpart for image folders (the stream loader): half as many images, 16x16, read from PNG files by
+    one worker per rank, and one entry of each kind that the reader skips."""
     root = tmp_path_factory.mktemp("stream") / "images"
     image_folder_of_noise(root, train=300, test=60, size=16)
     (root / "train" / "a" / "notes.txt").write_text("not an image")
     (root / "train" / "b" / "more").mkdir()
-    return [
-        *TINY,
-        "--dataset=imagefolder",
-        f"--data_dir={root}",
-        "--image_size=16",
-        "--loader=stream",
-        "--num_workers=1",
-    ]
+    return [*TINY, "--dataset=imagefolder", f"--data_dir={root}", "--image_size=16", "--num_workers=1"]

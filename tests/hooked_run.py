@@ -6,7 +6,6 @@ environment asks, and ranks forked from the launcher inherit them):
     TEST_SLOW_EPOCH=2 TEST_MARKER=/path   epoch 2's checkpoint write takes 2 s; the marker file says it began
     TEST_FAIL_EPOCH=2                     epoch 2's checkpoint write fails as on a full disk
     TEST_RANK_1_BUG=1                     rank 1 raises RuntimeError as it builds its run, before training
-    TEST_UNUSED_LAYER=1                   make_model's network gets a parameter that its forward never uses
     TEST_DROPOUT=0.3                      make_model's network gets dropout on its input: randomness in forward
     TEST_OWN_NETWORK=8                    the template's own ResNet of this width, whatever make_model returns now
 """
@@ -16,7 +15,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
 from torch import nn
 
 import train_distribute
@@ -32,14 +30,14 @@ def install_hooks() -> None:
         train_distribute.main_worker,
     )
 
-    def hooked_write(self, snapshot: dict, history: list, ready) -> None:
+    def hooked_write(self, snapshot: dict, history: list) -> None:
         epoch = snapshot["epoch"]
         if epoch == int(os.environ.get("TEST_FAIL_EPOCH", "0")):
             raise OSError(errno.ENOSPC, "No space left on device", os.path.join(self.output_dir, "checkpoint.pt"))
         if epoch == int(os.environ.get("TEST_SLOW_EPOCH", "0")):
             Path(os.environ["TEST_MARKER"]).write_text(str(epoch))  # the write has begun
             time.sleep(2)
-        write(self, snapshot, history, ready)
+        write(self, snapshot, history)
 
     def hooked_build_run(cfg, info):
         if info.rank == 1 and os.environ.get("TEST_RANK_1_BUG"):
@@ -49,8 +47,6 @@ def install_hooks() -> None:
     def hooked_make_model(cfg, num_classes: int) -> nn.Module:
         own = os.environ.get("TEST_OWN_NETWORK")
         model = ResNet(int(own), num_classes) if own else make_model(cfg, num_classes)
-        if os.environ.get("TEST_UNUSED_LAYER"):
-            model.unused = nn.Parameter(torch.zeros(3))  # no forward uses it (an nn.Sequential calls every child)
         if os.environ.get("TEST_DROPOUT"):
             model = nn.Sequential(nn.Dropout(float(os.environ["TEST_DROPOUT"])), model)
         return model

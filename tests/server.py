@@ -29,7 +29,6 @@ import torch
 import torch._dynamo  # noqa: F401 (what DDP's constructor would import in every rank)
 import torch.distributed.run  # noqa: F401 (torchrun, for the runs that start it)
 import torchvision.datasets  # noqa: F401 (the image folders' listing)
-import tqdm  # noqa: F401
 
 import tests.hooked_run
 import train_distribute

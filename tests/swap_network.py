@@ -4,8 +4,8 @@
     python -m tests.swap_network mobilenet_v3_small     # or torchvision's resnet18 or mobilenet_v3_small
     python -m tests.swap_network resnet18 -m "not slurm" -x   # the suite's own options may follow
 
-The copy gets exactly the edit README names: `make_model` returns the other network, WIDTH and RELU_AFTER_SUM are
-deleted from the settings block, and tests/test_resnet.py (the ResNet's own tests) is deleted. Nothing else
+The copy gets exactly the edit README names: `make_model` returns the other network, WIDTH is deleted
+from the settings block, and tests/test_resnet.py (the ResNet's own tests) is deleted. Nothing else
 changes, so every failure there is a promise of "swap the network in one place" that does not hold. The copy is
 of the project's folder as it is (a git checkout or not), without hidden folders, caches, data or results.
 """
@@ -55,10 +55,10 @@ def swapped_copy(folder: Path, network: str) -> Path:
     source, models = re.subn(
         r"def make_model\(.*?\n(?=\n\n)", lambda _: make_model_returning(network), source, count=1, flags=re.S
     )
-    source, settings = re.subn(r"^(WIDTH|RELU_AFTER_SUM): .*\n", "", source, flags=re.M)
+    source, settings = re.subn(r"^WIDTH: .*\n", "", source, flags=re.M)
     source = source.replace("from resnet import ResNet\n", "")
-    if (models, settings) != (1, 2):
-        sys.exit(f"could not make the swap in {script}: make_model or WIDTH / RELU_AFTER_SUM not found")
+    if (models, settings) != (1, 1):
+        sys.exit(f"could not make the swap in {script}: make_model or WIDTH not found")
     script.write_text(source)
     (folder / "tests" / "test_resnet.py").unlink()
     return folder

@@ -190,7 +190,8 @@ def test_training_batches_are_this_ranks_shard_in_full_batches():
 
 def test_batches_are_normalised_float_in_channels_last():
     pixels, labels = data.make_synthetic(600, seed=0, split=0, image_size=16)
-    mean, std = data.channel_statistics(pixels)
+    values = pixels.reshape(-1, 3).double() / 255  # these images' own statistics: normalised to mean 0, std 1
+    mean, std = tuple(values.mean(0).tolist()), tuple(values.std(0).tolist())
     loader = memory_loader(pixels, labels, True, mean, std)
     x, y = next(loader.train_batches(256, 2, 1, seed=0, epoch=1))
     assert x.shape == (128, 3, 16, 16) and x.dtype == torch.float32 and y.shape == (128,)
@@ -219,8 +220,8 @@ def test_list_folder_finds_classes_sorted_and_skips_hidden_folders_and_other_fil
 @pytest.mark.parametrize(
     "layout, split, words",
     [
-        (None, "train", ["DATA_DIR {root} does not exist; point --data_dir at a folder with train/<class>/<image>"]),
-        (["train/cat/0.png"], "test", ["DATA_DIR {root} has no test/ folder; point --data_dir at a folder with"]),
+        (None, "train", ["DATA_DIR {root} does not exist; give a folder with train/<class>/ and test/<class>/"]),
+        (["train/cat/0.png"], "test", ["DATA_DIR {root} has no test/ folder; give a folder with train/<class>/"]),
         (["train/.hidden/0.png", "train/file.png"], "train", ["{root}/train holds no class folders; put one sub-fo"]),
         (
             ["train/cat/0.png", "train/zebra/notes.txt"],
@@ -245,15 +246,7 @@ def test_train_and_test_with_other_classes_are_refused(tmp_path):
     small_folder(tmp_path, images=1)
     write_png(tmp_path / "train" / "emu" / "0.png", np.zeros((8, 8, 3), np.uint8))
     message = one_line_error(lambda: data.prepare(folder_config(tmp_path)))
-    assert message.startswith(f"{tmp_path}/train and {tmp_path}/test hold different class folders; every class needs")
-
-
-def test_sizes_need_no_decoding(tmp_path):
-    small_folder(tmp_path, classes=("a", "b", "c"), images=2)
-    (tmp_path / "train" / "a" / "broken.png").write_bytes(b"not a picture")  # counted: it is never opened
-    assert data.sizes(folder_config(tmp_path)) == (7, 3)
-    assert data.sizes(read_config(["--dataset=synthetic", "--synthetic_size=123"])) == (123, data.SYNTHETIC_CLASSES)
-    assert data.sizes(read_config(["--dataset=cifar10", f"--data_dir={tmp_path / 'nothing'}"])) == (50_000, 10)
+    assert message == f"{tmp_path}/train and test/ hold different class folders; give both the same classes"
 
 
 def test_the_folder_identity_changes_with_a_file(tmp_path):
@@ -319,26 +312,20 @@ def test_many_unreadable_files_are_named_three_and_counted(tmp_path):
     assert line.startswith("5 of 5 images cannot be read: ") and line.endswith(" and 2 more")
 
 
-def test_decoding_a_folder_with_an_unreadable_file_is_one_line_naming_it(tmp_path):
+def test_the_reader_decodes_a_folder_in_order_and_marks_an_unreadable_file(tmp_path):
     small_folder(tmp_path, images=2)
     (tmp_path / "train" / "dog" / "truncated.png").write_bytes((tmp_path / "train" / "dog" / "0.png").read_bytes()[:60])
     _, samples = data.list_folder(str(tmp_path), "train")
-    files = data.ImageFiles(samples, 8)
-    message = one_line_error(lambda: data.decode_all(files, 0, range(len(files))))
-    assert (
-        message == f"1 of 5 images cannot be read: {tmp_path}/train/dog/truncated.png; delete or replace them and rerun"
-    )
-    (tmp_path / "train" / "dog" / "truncated.png").unlink()
-    _, samples = data.list_folder(str(tmp_path), "train")
-    pixels, labels = data.decode_all(data.ImageFiles(samples, 8), 0, range(4))
-    assert pixels.shape == (4, 8, 8, 3) and pixels.dtype == torch.uint8 and labels.tolist() == [0, 0, 1, 1]
+    [(pixels, labels, marks)] = list(data.reader(data.ImageFiles(samples, 8), 256, None, 0, pin=False))
+    assert pixels.shape == (5, 8, 8, 3) and pixels.dtype == torch.uint8 and labels.tolist() == [0, 0, 1, 1, 1]
+    assert marks.tolist() == [-1, -1, -1, -1, 4] and not pixels[4].any()  # black, and named by its index
     assert np.array_equal(pixels[0].numpy(), np.asarray(Image.open(tmp_path / "train" / "cat" / "0.png")))
 
 
 def decode_a_folder(root: str) -> int:
     """Every training image of the folder, decoded as a run decodes them (tests.conftest.call)."""
     _, samples = data.list_folder(root, "train")
-    data.decode_all(data.ImageFiles(samples, 8), 0, range(len(samples)))
+    list(data.reader(data.ImageFiles(samples, 8), 256, None, 0, pin=False))
     return 0
 
 
@@ -350,15 +337,6 @@ def test_decoding_images_prints_no_warning(tmp_path):
 
 
 # ----------------------------------------------------------------------------- normalisation and generated images
-
-
-def test_channel_statistics_match_numpy():
-    pixels = torch.randint(0, 256, (2500, 6, 6, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    pixels[..., 2] //= 4  # channels with other statistics
-    mean, std = data.channel_statistics(pixels)  # in chunks of 1024 images
-    values = pixels.numpy().reshape(-1, 3).astype(np.float64) / 255
-    np.testing.assert_allclose(mean, values.mean(axis=0), rtol=0, atol=1e-9)
-    np.testing.assert_allclose(std, values.std(axis=0), rtol=0, atol=1e-9)
 
 
 def test_synthetic_classes_are_learnable_by_their_colour():
@@ -389,5 +367,5 @@ def test_cifar10_that_cannot_be_downloaded_is_one_line_naming_the_archive(tmp_pa
 
 
 def test_cifar10_missing_where_a_rank_reads_it_is_one_line(tmp_path):
-    message = one_line_error(lambda: data.read_in_memory(read_config(["--dataset=cifar10", f"--data_dir={tmp_path}"])))
+    message = one_line_error(lambda: data._cifar10(str(tmp_path), train=True))
     assert message == f"CIFAR-10 is missing or corrupt in {tmp_path}; delete it there and rerun"

@@ -80,7 +80,7 @@ def test_a_file_that_cannot_be_decoded_in_a_folder_is_skipped_with_a_warning_tha
 @pytest.mark.parametrize(
     "problem, words",
     [
-        ("missing checkpoint", "does not exist"),
+        ("missing checkpoint", "No such file or directory"),
         ("unreadable checkpoint", "cannot read"),
         ("not our checkpoint", "is not a checkpoint of train_distribute.py"),
         ("missing path", "does not exist"),

@@ -1,6 +1,6 @@
-"""Image folders and the stream loader (LOADER="stream": torch's DataLoader with a DistributedSampler, DataLoader
-workers decoding the files as training goes), in real rank processes: the order the ranks draw, folders of any image
-size on both loaders, a file that stops decoding mid-run, and a run that changes loader on resume."""
+"""Image folders and the stream loader (torch's DataLoader with a DistributedSampler, DataLoader workers decoding
+the files as training goes), in real rank processes: the order the ranks draw, folders of any image size, and a file
+that stops decoding mid-run."""
 
 import json
 import shutil
@@ -81,7 +81,7 @@ def sampler_order(images: int, rank: int, seed: int, epoch: int) -> list[int]:
 def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the_ranks_share(tmp_path):
     """And an evaluation reads every test image exactly once: 11 of them, 6 on rank 0 and 5 on rank 1."""
     numbered_folder(tmp_path / "images", train=96, test=11)
-    argv = ["--dataset=imagefolder", f"--data_dir={tmp_path / 'images'}", "--loader=stream", "--num_workers=1",
+    argv = ["--dataset=imagefolder", f"--data_dir={tmp_path / 'images'}", "--num_workers=1",
             "--image_size=8", "--batch_size=16", "--augment=False", "--seed=3"]  # fmt: skip
     result = call(f"{__name__}:read_in_ranks", str(tmp_path), *argv)
     assert result.returncode == 0, result.stderr
@@ -95,57 +95,20 @@ def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the
     assert drawn[0]["test"] + drawn[1]["test"] == list(range(11))
 
 
-# ----------------------------------------------------------------------------- both loaders, any image size
+# ----------------------------------------------------------------------------- any image size
 
 
-@pytest.fixture(scope="module")
-def both_loaders(tiny_stream, tmp_path_factory) -> dict[tuple[str, int], Path]:
-    """tiny_stream's images (16x16 files) trained for 2 epochs on each loader, at 16x16 and stretched to 30x30, all
-    at once; their output folders."""
-    tmp = tmp_path_factory.mktemp("both-loaders")
-    folders = {(loader, size): tmp / f"{loader}-{size}" for loader in ("memory", "stream") for size in (16, 30)}
-    runs = {
-        (loader, size): launch(
-            *tiny_stream, f"--loader={loader}", f"--image_size={size}", "--epochs=2", f"--output_dir={folder}"
-        )
-        for (loader, size), folder in folders.items()
-    }
-    for (loader, size), run in runs.items():
-        out, err = run.communicate(timeout=HANG_TIMEOUT)
-        assert run.returncode == 0 and err == "", f"{loader} at {size}x{size}: {err}"
-        assert f"| loader {loader}" in lines(out)[0], out
-    return folders
-
-
-def test_own_image_folders_of_any_size_train_on_both_loaders(both_loaders):
-    for (loader, size), out in both_loaders.items():
-        assert csv_rows(out) == 2, (loader, size)
-        checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)
-        assert checkpoint["data"]["image_size"] == size and f"of {size}x{size}" in checkpoint["data"]["identity"]
-        assert checkpoint["data"]["classes"] == ["a", "b"]
-
-
-def test_both_loaders_normalise_with_the_same_statistics(both_loaders):
-    """The same sample of the same images, decoded alike: a run may change loader on resume."""
-    for size in (16, 30):
-        memory, stream = (torch.load(both_loaders[loader, size] / "checkpoint.pt", weights_only=True)["data"]
-                          for loader in ("memory", "stream"))  # fmt: skip
-        assert memory["mean"] == stream["mean"] and memory["std"] == stream["std"]
-        assert memory["identity"] == stream["identity"]
-
-
-def test_a_run_moves_from_the_memory_loader_to_the_stream_loader_on_resume(both_loaders, tiny_stream, tmp_path):
-    """Started on memory, stopped after epoch 1 (its checkpoint cut back), resumed on stream."""
-    folder = tmp_path / "out"
-    shutil.copytree(both_loaders["memory", 16], folder)
-    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
-    checkpoint.update(epoch=1, history=checkpoint["history"][:1])
-    torch.save(checkpoint, folder / "checkpoint.pt")
-    run = launch(*tiny_stream, "--loader=stream", "--epochs=2", f"--output_dir={folder}", "--resume=True")
+@pytest.mark.parametrize("size", [16, 30])
+def test_own_image_folders_of_any_size_train(tiny_stream, tmp_path, size):
+    """tiny_stream's images (16x16 files) trained for 2 epochs at 16x16 and stretched to 30x30."""
+    run = launch(*tiny_stream, f"--image_size={size}", "--epochs=2", f"--output_dir={tmp_path}")
     out, err = run.communicate(timeout=HANG_TIMEOUT)
     assert run.returncode == 0 and err == "", err
-    assert "resuming after epoch 1 of 2" in out and "| loader stream" in out
-    assert csv_rows(folder) == 2 and torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"] == 2
+    assert "| loader stream, 1 worker(s) per rank |" in lines(out)[0], out
+    assert csv_rows(tmp_path) == 2
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert checkpoint["data"]["image_size"] == size and f"of {size}x{size}" in checkpoint["data"]["identity"]
+    assert checkpoint["data"]["classes"] == ["a", "b"]
 
 
 # ----------------------------------------------------------------------------- a file that stops decoding

@@ -141,7 +141,7 @@ def test_a_picture_of_the_curves_and_a_plain_checkpoint(reference_run):
     png = out / "pytorch_res.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     checkpoint = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)  # tensors and plain values
-    assert set(checkpoint) == {"model", "optimizer", "history", "epoch", "config", "data", "run_ids"}
+    assert set(checkpoint) == {"model", "optimizer", "history", "epoch", "config", "data"}
     assert checkpoint["epoch"] == 5 and [row["epoch"] for row in checkpoint["history"]] == [1, 2, 3, 4, 5]
     assert not any(name.startswith(("module.", "_orig_mod.")) for name in checkpoint["model"])
     assert checkpoint["config"]["BATCH_SIZE"] == 48 and "state" in checkpoint["optimizer"]
@@ -209,8 +209,8 @@ def train_without_batchnorm(*argv: str) -> int:
 
 @pytest.fixture(scope="module")
 def without_batchnorm(reference_run, tmp_path_factory) -> dict[str, Path]:
-    """The same run without BatchNorm and without randomness between ranks, all at once: on 1 rank, on 2, and on 2
-    in 2 micro-batches each; their output folders. The run on 1 rank writes into a copy of the reference run's folder,
+    """The same run without BatchNorm and without randomness between ranks, both at once: on 1 rank and on 2; their
+    output folders. The run on 1 rank writes into a copy of the reference run's folder,
     which also holds a previous-<time>/ folder of the name that moving those results aside would take."""
     tmp = tmp_path_factory.mktemp("without-batchnorm")
     shutil.copytree(reference_run[0], tmp / "1 rank")
@@ -218,7 +218,7 @@ def without_batchnorm(reference_run, tmp_path_factory) -> dict[str, Path]:
     (tmp / "1 rank" / f"previous-{stamp}").mkdir()
     (tmp / "1 rank" / f"previous-{stamp}" / "pytorch_res.csv").write_text("an even earlier run's")
     common = [*TINY, "--epochs=2", "--augment=False", "--amp=False", "--lr=4"]
-    variants = {"1 rank": ["--world_size=1"], "2 ranks": [], "2 ranks, accumulate 2": ["--accumulate=2"]}
+    variants = {"1 rank": ["--world_size=1"], "2 ranks": []}
     runs = {
         name: launch(
             *common,
@@ -250,11 +250,6 @@ def test_two_ranks_step_like_one_rank_on_the_whole_batch(without_batchnorm):
     assert_same_numbers(without_batchnorm["2 ranks"], without_batchnorm["1 rank"])
 
 
-def test_accumulation_steps_like_the_whole_share(without_batchnorm):
-    """ACCUMULATE=2: each rank's 24 images in 2 micro-batches of 12 with one all-reduce, the same step as 24 at once."""
-    assert_same_numbers(without_batchnorm["2 ranks, accumulate 2"], without_batchnorm["2 ranks"])
-
-
 def test_world_size_1_follows_the_same_lr_and_moves_old_results_aside_never_overwriting_them(
     without_batchnorm, reference_run
 ):
@@ -267,7 +262,7 @@ def test_world_size_1_follows_the_same_lr_and_moves_old_results_aside_never_over
     assert lr[0] == lr[1] and len(lr[0]) == 2
     (earlier,) = [p for p in folder.glob("previous-*") if (p / "checkpoint.pt").exists()]
     (even_earlier,) = [p for p in folder.glob("previous-*") if p != earlier]
-    assert earlier.name == f"{even_earlier.name}-2"  # the same time: another name, nothing overwritten
+    assert earlier.name.startswith(f"{even_earlier.name}-")  # the same time: another name, nothing overwritten
     assert (even_earlier / "pytorch_res.csv").read_text() == "an even earlier run's"
     assert f"moved the earlier run's results in {folder} to {earlier}" in stdout
     for name in ("pytorch_res.csv", "checkpoint.pt", "pytorch_res.png"):
@@ -348,7 +343,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line_and_the_first_
     folder, second = killed_then_resumed.folder, killed_then_resumed.second
     assert second.returncode == 2 and second.stdout == "", second.stdout
     assert lines(second.stderr) == [
-        f"error: OUTPUT_DIR {folder} is in use by another run; wait for it to end or choose another"
+        f"error: OUTPUT_DIR {folder} is in use by another run; wait for it or choose another"
     ]
     assert killed_then_resumed.resumed.returncode == 0
     assert_same_epochs(folder, reference_run[0])  # the first run's files, as if no other run had come
@@ -421,8 +416,8 @@ def test_a_resume_with_changed_settings_is_refused_in_one_line(reference_run, tm
     result = run_script(*REFERENCE, "--lr=0.1", f"--output_dir={folder}", "--resume=True")
     assert result.returncode == 2 and result.stdout == ""
     assert lines(result.stderr) == [
-        f"error: RESUME=True but LR=0.1 differs from the checkpoint's {train_distribute.LR}; resume with --lr "
-        f"{train_distribute.LR}, or start a new run"
+        f"error: RESUME=True: LR=0.1 differs from the checkpoint's {train_distribute.LR} in {folder}; resume with --lr "
+        f"{train_distribute.LR}, or start a new run in another --output_dir"
     ]
     assert results(folder) == before
 
