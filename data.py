@@ -4,8 +4,7 @@ on the device. Two loaders with one interface:
     MemoryLoader  CIFAR-10 or generated images, the whole split on the device as uint8: per epoch this rank's shard of
                   one permutation that every rank draws alike, batches cut by indexing (no per-image Python work)
     StreamLoader  an image folder, of any size: torch's DataLoader with a DistributedSampler, worker processes decoding
-                  the files as training goes
-"""
+                  the files as training goes"""
 
 import hashlib
 import os
@@ -86,21 +85,12 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
         splits: list[Any] = [ImageFiles(samples, cfg.IMAGE_SIZE) for samples in (train, test)]
         source, how = f"files {folder_digest(cfg.DATA_DIR, train + test)}", f"stream, {workers} worker(s) per rank"
     elif cfg.DATASET == "synthetic":  # the memory loader's splits: uint8 NHWC images and their labels
-        kind, source, how, classes = (
-            MemoryLoader,
-            "generated",
-            "memory",
-            [f"class_{c}" for c in range(SYNTHETIC_CLASSES)],
-        )
-        sizes = (cfg.SYNTHETIC_SIZE, max(cfg.SYNTHETIC_SIZE // 5, 1))
-        splits = [make_synthetic(n, cfg.SEED, split, cfg.IMAGE_SIZE) for split, n in enumerate(sizes)]
+        kind, source, how, n = MemoryLoader, "generated", "memory", cfg.SYNTHETIC_SIZE
+        splits = [make_synthetic(size, cfg.SEED, split, cfg.IMAGE_SIZE) for split, size in enumerate((n, n // 5 or 1))]
+        classes = [f"class_{c}" for c in range(SYNTHETIC_CLASSES)]
     else:
-        kind, source, how, cifar = (
-            MemoryLoader,
-            "CIFAR-10",
-            "memory",
-            [_cifar10(cfg.DATA_DIR, t) for t in (True, False)],
-        )
+        cifar = [_cifar10(cfg.DATA_DIR, train) for train in (True, False)]
+        kind, source, how = MemoryLoader, "CIFAR-10", "memory"
         splits, classes = [(torch.from_numpy(c.data), torch.tensor(c.targets)) for c in cifar], cifar[0].classes
     loaders = [kind(split, augment, **options) for split, augment in zip(splits, (cfg.AUGMENT, False), strict=True)]
     if len(loaders[0]) < cfg.BATCH_SIZE:
@@ -147,10 +137,8 @@ def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, i
 def folder_digest(data_dir: str, samples: list[tuple[str, int]]) -> str:
     """An image folder's identity without reading an image: every file's name, class and byte size (not its time:
     copies on other machines must agree). A file replaced by another of the same name and size is not noticed."""
-    digest = hashlib.sha256()
-    for path, label in samples:
-        digest.update(f"{os.path.relpath(path, data_dir)} {label} {os.path.getsize(path)}\n".encode())
-    return digest.hexdigest()[:16]
+    listing = "".join(f"{os.path.relpath(path, data_dir)} {label} {os.path.getsize(path)}\n" for path, label in samples)
+    return hashlib.sha256(listing.encode()).hexdigest()[:16]
 
 
 def decode(path: str, size: int) -> np.ndarray:
@@ -252,8 +240,7 @@ class MemoryLoader(Loader):
 
 class StreamLoader(Loader):
     """A split of an image folder, read from its files as training goes by DataLoader workers (kept across epochs
-    for training, started per pass for evaluation). A file that cannot be decoded stops every rank at the end of the
-    pass, in one line naming it."""
+    for training, per pass for evaluation). A file that cannot be decoded stops every rank at the pass's end, named."""
 
     def __init__(self, files: ImageFiles, *args: Any, workers: int, **options: Any) -> None:
         super().__init__(*args, **options)

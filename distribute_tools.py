@@ -2,8 +2,7 @@
 
 run_distribute(entrypoint, world_size, *args)   start world_size ranks on this machine, the way torchrun does
 setup(timeout_s) -> DistInfo                    in a rank: join the process group (device, backend, threads)
-cleanup()                                       in a rank: every rank meets, then leaves the group
-"""
+cleanup()                                       in a rank: every rank meets, then leaves the group"""
 
 import datetime
 import gc
@@ -80,9 +79,7 @@ def choose_device(local_rank: int, local_world_size: int, gpus: int) -> tuple[to
         return torch.device("cuda", local_rank), "nccl"
     if gpus == 1:
         return torch.device("cuda", 0), "nccl"
-    raise UserError(
-        f"{local_world_size} ranks here would share {gpus} GPUs; start one per GPU (--nproc_per_node={gpus})"
-    )
+    raise UserError(f"{local_world_size} ranks would share {gpus} GPUs; start one per GPU (--nproc_per_node={gpus})")
 
 
 def setup(timeout_s: float = 600.0) -> DistInfo:

@@ -6,8 +6,7 @@ and replaces it by the nearest matrix whose singular values are all about 1, wit
 every direction of the update moves by about the same amount, however unequal the gradient's directions are.
 Own implementation (torch.optim.Muon, torch 2.9 and newer, takes only 2-D parameters); it runs on torch 2.4 on.
 The orthogonalisation costs about as much as a small forward pass; in a process group each rank does a share of
-the filter banks and the ranks exchange the results, so the work is split rather than repeated on every rank.
-"""
+the filter banks and the ranks exchange the results, so the work is split rather than repeated on every rank."""
 
 from typing import Any
 
@@ -51,7 +50,15 @@ class MuonSGD(torch.optim.Optimizer):
         filters = []  # (parameter, Nesterov update, step size): orthogonalised together below
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            updates = self.nesterov_updates(params, group)
+            # SGD's Nesterov updates, L2 weight decay included, in a few foreach kernels for all the parameters
+            # (measured at width 8 on one CPU core: 1.1 ms a step, against 1.6 ms with five kernels per parameter)
+            grads = [p.grad for p in params]
+            if group["weight_decay"]:
+                grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+            buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+            torch._foreach_mul_(buffers, group["momentum"])
+            torch._foreach_add_(buffers, grads)
+            updates = torch._foreach_add(grads, buffers, alpha=group["momentum"])
             rest = [(p, u) for p, u in zip(params, updates, strict=True) if p.ndim != 4]
             if rest:
                 torch._foreach_add_([p for p, _ in rest], [u for _, u in rest], alpha=-group["lr"])
@@ -61,17 +68,6 @@ class MuonSGD(torch.optim.Optimizer):
         for (p, _, lr), update in zip(filters, orthogonalised, strict=True):
             shape = max(1.0, len(p) / p[0].numel()) ** 0.5  # as a square matrix's steps, for tall ones
             p.add_(update.view_as(p), alpha=-lr * shape)
-
-    def nesterov_updates(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-        """SGD's Nesterov updates, L2 weight decay included, in a few foreach kernels for all the parameters
-        (measured at width 8 on one CPU core: 1.1 ms a step, against 1.6 ms with five kernels per parameter)."""
-        grads = [p.grad for p in params]
-        if group["weight_decay"]:
-            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
-        buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
-        torch._foreach_mul_(buffers, group["momentum"])
-        torch._foreach_add_(buffers, grads)
-        return torch._foreach_add(grads, buffers, alpha=group["momentum"])
 
 
 def orthogonalise_shared(updates: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:

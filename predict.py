@@ -22,8 +22,6 @@ import train_distribute
 from safeguards import settings
 from safeguards.failures import UserError, first_line
 
-BATCH = 256  # images per forward pass
-
 
 class Classifier:
     """A run's network (make_model with the checkpoint's settings) and weights, its preprocessing (IMAGE_SIZE, the
@@ -79,7 +77,7 @@ def main(argv: list[str]) -> int:
     try:
         classifier, paths = Classifier(argv[0]), image_paths(argv[1:])
         files, probabilities, marks = data.ImageFiles([(p, 0) for p in paths], classifier.image_size), [], []
-        for pixels, _, marked in data.reader(files, BATCH, None, workers=0, pin=False):  # an unreadable file: marked
+        for pixels, _, marked in data.reader(files, 256, None, workers=0, pin=False):  # 256 a pass; unreadable: marked
             probabilities.append(classifier.probabilities(pixels))
             marks.append(marked)
         readable = (torch.cat(marks) < 0).tolist()

@@ -12,8 +12,7 @@ Layout (width w = 64 is the seed's network, 9,553,674 parameters):
 Each block is two 3x3 conv + BN with a ReLU between them, plus a 1x1 conv + BN
 shortcut where the channel count changes. The seed returns the plain sum of the
 two paths; standard ResNets, and this one, apply a ReLU to the sum. The ReLU adds no
-parameters and measurably helps (docs/accuracy.md, "Earlier measurements of the recipe": +3.3 points).
-"""
+parameters and measurably helps (docs/accuracy.md, "Earlier measurements of the recipe": +3.3 points)."""
 
 import torch
 from torch import nn

@@ -7,8 +7,7 @@
 Edit a setting below and rerun. Rank 0 prints one line per epoch and writes OUTPUT_DIR/pytorch_res.csv, pytorch_res.png
 and checkpoint.pt. Comments starting "DDP:" mark where ranks meet: every rank must make those calls. Calls into
 safeguards/ keep runs safe (resume, one run per folder, files, failures) and can be skipped on a first read.
-The recipe and what each part of it measured: README.md and docs/.
-"""
+The recipe and what each part of it measured: README.md and docs/."""
 
 import math
 import sys
@@ -84,10 +83,7 @@ class Run:
     train_data: data.Loader
     test_data: data.Loader
     data: dict[str, Any]  # what the checkpoint records of the data: identity, classes, normalisation
-    bf16: bool
-
-    def autocast(self) -> Any:
-        return torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+    bf16: bool  # autocast in bf16
 
 
 def main_worker(cfg: SimpleNamespace) -> None:
@@ -204,9 +200,7 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
     dist.all_reduce(sums)  # DDP: the epoch's sums over all ranks, once
     loss_sum, correct, images = sums.tolist()
     if not math.isfinite(loss_sum):  # every rank sees the same sums: all stop, the last good checkpoint stays
-        raise UserError(
-            f"the training loss became {loss_sum} in epoch {epoch}; lower --lr (now {cfg.LR}); {failures.KEPT}"
-        )
+        raise UserError(f"the training loss became {loss_sum} in epoch {epoch}; lower --lr ({cfg.LR}); {failures.KEPT}")
     return [loss_sum, correct, images], seconds, lr
 
 
@@ -216,7 +210,7 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: C
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     run.optimizer.zero_grad(set_to_none=True)
-    with run.autocast():
+    with torch.autocast(run.info.device.type, dtype=torch.bfloat16, enabled=run.bf16):
         logits = run.ddp_model(x)
         loss = loss_fn(logits, y)
     loss.backward()  # DDP: gradients are averaged over the ranks during backward, bucket by bucket
@@ -238,7 +232,7 @@ def evaluate(run: Run) -> tuple[float, float]:
     run.model.eval()
     sums = torch.zeros(3, device=run.info.device)
     for x, y in run.test_data.eval_batches(run.info.world_size, run.info.rank):
-        with run.autocast():
+        with torch.autocast(run.info.device.type, dtype=torch.bfloat16, enabled=run.bf16):
             logits = eval_logits(run.model, x, run.cfg.TTA)
         sums[0] += F.cross_entropy(logits, y, reduction="sum")
         sums[1] += (logits.argmax(dim=1) == y).sum()

@@ -4,8 +4,7 @@
     130 Ctrl-C    1 anything else: a rank failed or was killed
 
 Started by `python train_distribute.py`, a rank hands its line to the launcher in the file torch's elastic agent reads
-(TORCHELASTIC_ERROR_FILE), and the launcher prints the run's; under torchrun, the rank prints it.
-"""
+(TORCHELASTIC_ERROR_FILE), and the launcher prints the run's; under torchrun, the rank prints it."""
 
 import ctypes
 import json
@@ -148,16 +147,14 @@ def outcome(error: BaseException) -> tuple[int, str]:
     if isinstance(error, SystemExit):  # --help, say
         return error.code if isinstance(error.code, int) else 0, ""
     if isinstance(error, ChildFailedError):  # the launcher: the rank that failed first, not one that lost its peer
-        rank, failure = min(error.failures.items(), key=lambda it: (it[1].exitcode == EXIT_PEER_LOST, it[1].timestamp))
-        if failure.exitcode in (EXIT_MISTAKE, EXIT_STOPPED, EXIT_INTERRUPTED):  # the ranks were told it
-            _received.extend([signal.SIGTERM] if failure.exitcode == EXIT_STOPPED else [])
-            error = KeyboardInterrupt() if failure.exitcode == EXIT_INTERRUPTED else UserError(failure.message[7:])
+        rank, first = min(error.failures.items(), key=lambda it: (it[1].exitcode == EXIT_PEER_LOST, it[1].timestamp))
+        if first.exitcode in (EXIT_MISTAKE, EXIT_STOPPED, EXIT_INTERRUPTED):  # the ranks were told it
+            _received.extend([signal.SIGTERM] if first.exitcode == EXIT_STOPPED else [])
+            error = KeyboardInterrupt() if first.exitcode == EXIT_INTERRUPTED else UserError(first.message[7:])
         else:
-            how = (
-                f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with {failure.exitcode}"
-            )
-            how += " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if failure.exitcode == -9 else ""
-            said = failure.message if failure.message.startswith("error: ") else f"error: rank {rank} {how}"
+            how = f"was killed by {first.signal_name()}" if first.exitcode < 0 else f"exited with {first.exitcode}"
+            how += " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if first.exitcode == -9 else ""
+            said = first.message if first.message.startswith("error: ") else f"error: rank {rank} {how}"
             return 1, f"{said}; stopped the other ranks; {KEPT}"
     stop = _received[0] if _received else error.sigval if isinstance(error, SignalException) else None
     stop = signal.SIGINT if isinstance(error, KeyboardInterrupt) else stop

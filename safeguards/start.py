@@ -104,9 +104,8 @@ def _begin(cfg: SimpleNamespace, restart: str) -> tuple[str, dict[str, Any] | No
 
 
 def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, identity: str, folder: str) -> list[dict]:
-    """Every rank alike, before anything changes: the checkpoint's data (`identity`) and network are this run's.
-    Loads the weights and the optimizer's state; returns the rows of the epochs done ([] for a new run), the list that
-    the epoch loop goes on appending to."""
+    """Every rank alike, before anything changes: the checkpoint's data (`identity`) and network are this run's. Loads
+    the weights and optimizer state; returns the rows of the epochs done ([] for a new run), which the loop extends."""
     history: list[dict] = []
     if dist.get_rank() != 0:  # rank 0 reads its files; the others know what every rank saw written: the rows before
         done = int(checkpoint["epoch"]) if checkpoint else 0  # the last (its files are being written), or the resumed
@@ -168,6 +167,4 @@ def _read(cfg: SimpleNamespace, restart: str) -> dict[str, Any] | None:
     except Exception as e:
         if not (cfg.RESUME or restart):
             return None
-        raise UserError(
-            f"cannot read {path} ({failures.first_line(e, 80)}); put back a good copy, or move it away"
-        ) from None
+        raise UserError(f"cannot read {path} ({failures.first_line(e, 80)}); put back a good copy or move it") from None

@@ -403,7 +403,7 @@ def test_a_non_finite_loss_stops_every_rank_in_one_line_and_keeps_the_last_good_
     result = run_script(*REFERENCE, f"--output_dir={folder}", "--resume=True")
     assert result.returncode == 2, result.stderr
     assert lines(result.stderr) == [
-        f"error: the training loss became nan in epoch 3; lower --lr (now {train_distribute.LR}); the files in "
+        f"error: the training loss became nan in epoch 3; lower --lr ({train_distribute.LR}); the files in "
         f"{folder} are from epoch 2: continue with --resume True"
     ]
     assert (folder / "checkpoint.pt").read_bytes() == saved and csv_rows(folder) == 2
