@@ -110,8 +110,8 @@ def plot(history: list[dict], output_dir: str) -> None:
     """Loss, accuracy and learning rate against epoch, as a PNG (matplotlib's Figure: no display, no global state)."""
     from matplotlib.figure import Figure
 
-    rows, figure = pd.DataFrame(history).set_index("epoch"), Figure(figsize=(13, 3.8), layout="tight")
-    loss, accuracy, lr = figure.subplots(1, 3)
+    rows, figure = pd.DataFrame(history).set_index("epoch"), Figure(figsize=(13, 3.8))
+    loss, accuracy, lr = figure.subplots(1, 3, gridspec_kw={"left": 0.05, "right": 0.99, "bottom": 0.14, "wspace": 0.2})
     rows[["loss", "test_loss"]].plot(ax=loss, style="o-", title="Loss (train: label-smoothed)", grid=True)
     best = f"Accuracy, % (best test {100 * rows.acc.max():.2f})"
     (100 * rows[["acc", "train_acc"]]).plot(ax=accuracy, style=["o-", "--"], title=best, grid=True)

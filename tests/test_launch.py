@@ -141,7 +141,7 @@ def test_ctrl_c_mid_epoch_exits_130_in_one_line(tmp_path):
     assert csv_rows(tmp_path) == checkpoint_epoch(tmp_path)
 
 
-@pytest.mark.parametrize("when", [0.0, 0.5, 1.5])
+@pytest.mark.parametrize("when", [0.0, 1.0])
 def test_ctrl_c_while_the_ranks_start_in_new_interpreters_is_one_line(tmp_path, when):
     """The ranks are new interpreters importing torch: the stop waits for them to handle it (held back as they
     start), then the run ends in one line instead of a traceback per rank."""

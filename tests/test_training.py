@@ -325,13 +325,14 @@ def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_nu
     args = [*SHORT] if loader == "memory" else [*tiny_stream, "--epochs=4"]
     alone, stopped = tmp_path / "alone", tmp_path / "stopped"
     env = clean_env(TEST_DROPOUT="0.3")
-    assert run_script(*args, f"--output_dir={alone}", env=env).returncode == 0
+    uninterrupted = launch(*args, f"--output_dir={alone}", env=env)  # at the same time as the one stopped
     run = launch(
         *args, f"--output_dir={stopped}", env={**env, "TEST_SLOW_EPOCH": "2", "TEST_MARKER": str(tmp_path / "m")}
     )
     wait_for_marker(tmp_path / "m", run)  # epoch 1 is in the CSV, epoch 2's files are being written
     os.kill(run.pid, signal.SIGTERM)
     assert run.wait(HANG_TIMEOUT) == 75 and checkpoint_epoch(stopped) < 4
+    assert uninterrupted.communicate(timeout=HANG_TIMEOUT) and uninterrupted.returncode == 0
     resumed = run_script(*args, f"--output_dir={stopped}", "--resume=True", env=env)
     assert resumed.returncode == 0, resumed.stderr
     assert_same_epochs(stopped, alone)
