@@ -19,7 +19,7 @@ from safeguards.failures import UserError
 # Settings that may differ between a run and its resumption: where files are, how it is launched and on what
 # hardware, how it evaluates or reports. Every other setting shapes the run, so a new one is checked on resume.
 FREE_ON_RESUME = set("DATA_DIR OUTPUT_DIR RESUME WORLD_SIZE AMP COMPILE TTA NUM_WORKERS COLLECTIVE_TIMEOUT".split())
-# Allowed ranges: (lowest, highest), None where open.
+# Allowed ranges: (lowest, highest), None where open; one the script lacks (WIDTH, after a network swap) is skipped.
 LIMITS = {name: (1, None) for name in "EPOCHS BATCH_SIZE SYNTHETIC_SIZE COLLECTIVE_TIMEOUT WIDTH".split()}
 LIMITS |= {"IMAGE_SIZE": (8, None), "NUM_WORKERS": (-1, None), "WARMUP": (0, 1), "LABEL_SMOOTHING": (0, 0.99)}
 LIMITS |= {"MOMENTUM": (0, 0.999), "WEIGHT_DECAY": (0, 1), "LR": (1e-12, None), "WORLD_SIZE": (0, None)}
