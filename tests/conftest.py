@@ -261,7 +261,7 @@ def scenario(function: Callable, *args) -> Any:
 
 def _pool() -> ThreadPoolExecutor:
     if not _POOL:
-        _POOL.append(ThreadPoolExecutor(2, thread_name_prefix="scenario"))  # two at a time: 2 ranks each
+        _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="scenario"))  # one at a time: 2 ranks each
     return _POOL[0]
 
 

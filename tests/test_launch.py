@@ -4,7 +4,9 @@ interpreters, as a user's run is."""
 
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,13 +25,15 @@ from tests.conftest import (
     csv_rows,
     launch,
     model_name,
+    needs,
     new_interpreter,
     recorded_ranks,
+    scenario,
     wait_for_rows,
 )
 
 STOP_WITHIN = 10  # seconds from the signal to the launcher's exit (a rank stuck in C++ is another matter)
-LONG = [*TINY, "--synthetic_size=4800", "--epochs=20"]  # epochs of about a second: a run to stop in the middle
+LONG = [*TINY, "--synthetic_size=1200", "--epochs=20"]  # epochs of a second or two: a run to stop in the middle
 
 
 def lines(text: str) -> list[str]:
@@ -47,16 +51,24 @@ def ended_in_time(run, signalled_at: float) -> str:
     return err
 
 
-def test_a_finished_run_in_a_new_interpreter_exits_0_and_prints_only_its_lines(tmp_path):
-    command = [sys.executable, "train_distribute.py", *TINY, "--epochs=2", f"--output_dir={tmp_path}"]
+def in_a_new_interpreter(*args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """`python train_distribute.py *args` into a new folder, to its end: a scenario, run in the background."""
+    out = Path(tempfile.mkdtemp(prefix="new-interpreter-"))
+    command = [sys.executable, "train_distribute.py", *args, f"--output_dir={out}"]
     with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env()) as run:
-        out, err = run.communicate(timeout=HANG_TIMEOUT)
-    assert run.returncode == 0, err
-    assert lines(err) == []  # no warning of torch's, no log line of its agent
-    first, *epochs, done = lines(out)
+        stdout, stderr = run.communicate(timeout=HANG_TIMEOUT)
+    return subprocess.CompletedProcess(command, run.returncode, stdout, stderr), out
+
+
+@needs((in_a_new_interpreter, *TINY, "--epochs=2"))
+def test_a_finished_run_in_a_new_interpreter_exits_0_and_prints_only_its_lines():
+    run, out = scenario(in_a_new_interpreter, *TINY, "--epochs=2")
+    assert run.returncode == 0, run.stderr
+    assert lines(run.stderr) == []  # no warning of torch's, no log line of its agent
+    first, *epochs, done = lines(run.stdout)
     assert first.startswith(f"{model_name()}(") and "2 rank(s) on cpu (gloo)" in first
     assert [line.split()[1] for line in epochs] == ["1/2", "2/2"] and done.startswith("done: 2 epochs")
-    assert len(pd.read_csv(tmp_path / "pytorch_res.csv")) == 2 and checkpoint_epoch(tmp_path) == 2
+    assert len(pd.read_csv(out / "pytorch_res.csv")) == 2 and checkpoint_epoch(out) == 2
 
 
 @pytest.mark.parametrize(
@@ -79,11 +91,10 @@ def test_a_mistake_is_one_line_naming_it_and_exits_2_before_anything_starts(tmp_
     assert not (tmp_path / "out" / "checkpoint.pt").exists()
 
 
-def test_a_mistake_in_a_new_interpreter_is_one_line_too(tmp_path):
-    command = [sys.executable, "train_distribute.py", "--epochs=0", f"--output_dir={tmp_path}"]
-    with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env()) as run:
-        out, err = run.communicate(timeout=HANG_TIMEOUT)
-    assert run.returncode == 2 and lines(out) == [] and len(lines(err)) == 1, err
+@needs((in_a_new_interpreter, "--epochs=0"))
+def test_a_mistake_in_a_new_interpreter_is_one_line_too():
+    run, _ = scenario(in_a_new_interpreter, "--epochs=0")
+    assert run.returncode == 2 and lines(run.stdout) == [] and len(lines(run.stderr)) == 1, run.stderr
 
 
 def test_a_mistake_the_ranks_find_is_one_line_from_the_launcher(tmp_path):
@@ -184,25 +195,38 @@ def test_a_rank_that_raises_prints_its_traceback_and_the_launcher_names_it(tmp_p
     assert lines(err)[-1].startswith(f"error: rank 1 failed with RuntimeError: {bug}; stopped the other ranks")
 
 
-@pytest.mark.parametrize("interpreter", ["forked", "new"])
-def test_kill_9_of_the_launcher_leaves_no_rank_behind(tmp_path, interpreter):
+def ranks_left_after_a_while(ranks: list[int]) -> list[int]:
+    """The ranks still alive STOP_WITHIN seconds from now, or as soon as none is."""
+    deadline = time.monotonic() + STOP_WITHIN
+    while (left := [pid for pid in ranks if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def test_kill_9_of_the_launcher_leaves_no_rank_behind(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
-    if interpreter == "forked":
-        run = launch(*LONG, f"--output_dir={tmp_path / 'out'}", env=clean_env(TEST_PIDS=str(pids)))
-        ranks = recorded_ranks(pids)
-        wait_for_rows(tmp_path / "out", 1, run)
-        run.kill()
+    run = launch(*LONG, f"--output_dir={tmp_path / 'out'}", env=clean_env(TEST_PIDS=str(pids)))
+    ranks = recorded_ranks(pids)
+    wait_for_rows(tmp_path / "out", 1, run)
+    run.kill()
+    run.wait(60)
+    assert ranks_left_after_a_while(ranks) == [], "a rank outlived its launcher"
+
+
+def kill_9_of_a_new_interpreter() -> tuple[list[int], list[int]]:
+    """kill -9 of `python train_distribute.py` mid-run: its ranks, and those left after a while (a scenario)."""
+    out = Path(tempfile.mkdtemp(prefix="kill-9-"))
+    command = [sys.executable, "train_distribute.py", *LONG, f"--output_dir={out}"]
+    with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env()) as run:
+        wait_for_rows(out, 1, run)
+        ranks = children_of(run.pid)  # each in a session of its own: found by process id, never by group
+        os.kill(run.pid, signal.SIGKILL)
         run.wait(60)
-    else:
-        command = [sys.executable, "train_distribute.py", *LONG, f"--output_dir={tmp_path / 'out'}"]
-        with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env()) as run:
-            wait_for_rows(tmp_path / "out", 1, run)
-            ranks = children_of(run.pid)  # each in a session of its own: found by process id, never by group
-            assert len(ranks) >= 2
-            os.kill(run.pid, signal.SIGKILL)
-            run.wait(60)
-    deadline = time.monotonic() + STOP_WITHIN
-    while any(alive(pid) for pid in ranks):
-        assert time.monotonic() < deadline, "a rank outlived its launcher"
-        time.sleep(0.05)
+        return ranks, ranks_left_after_a_while(ranks)
+
+
+@needs((kill_9_of_a_new_interpreter,))
+def test_kill_9_of_a_new_interpreters_launcher_leaves_no_rank_behind():
+    ranks, left = scenario(kill_9_of_a_new_interpreter)
+    assert len(ranks) >= 2 and left == [], "a rank outlived its launcher"

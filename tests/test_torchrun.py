@@ -151,6 +151,8 @@ def node(n: int, port: int, out: Path, *args: str, restarts: int = 0):
         f"--rdzv_endpoint=127.0.0.1:{port}",
         f"--local_addr=127.0.0.{n + 1}",  # what each tells the other (else this machine's name, for both)
         "--rdzv_id=two-nodes",
+        # a stopped machine leaves the rendezvous after 3 missed heartbeats, 1 s apart here (5 s by default; 2.4 has 5)
+        "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3",
         str(SCRIPT),
         *ARGS,
         *args,
@@ -208,7 +210,7 @@ def test_a_stopped_node_started_again_rejoins_and_the_run_finishes_every_epoch_o
     started again with the same command; the other's torchrun restarts its worker and waits for it. On torch 2.3 to
     2.7 the stopped machine's torchrun closes the rendezvous for all (pytorch#152525): the other ends too, with our
     line, and both started again with --resume True go on, as README says."""
-    port, epochs = free_port(), "--epochs=8"
+    port, epochs = free_port(), "--epochs=5"
     first = endpoint_node(port, tmp_path, epochs, restarts=3)
     second = node(1, port, tmp_path, epochs, restarts=3)
     wait_for_rows_of_two_epochs(tmp_path, first, second)
@@ -221,16 +223,16 @@ def test_a_stopped_node_started_again_rejoins_and_the_run_finishes_every_epoch_o
     again = node(1, port, tmp_path, epochs, *(["--resume=True"] if CLOSES_RENDEZVOUS else []), restarts=3)
     logs += [first.communicate(timeout=HANG_TIMEOUT)[0], again.communicate(timeout=HANG_TIMEOUT)[0]]
     assert (first.returncode, again.returncode) == (0, 0), logs
-    assert epochs_printed(*logs) == list(range(1, 9)), logs
+    assert epochs_printed(*logs) == list(range(1, 6)), logs
     final = max((tmp_path / str(n) for n in (0, 1)), key=csv_rows)
-    assert pd.read_csv(final / "pytorch_res.csv")["epoch"].tolist() == list(range(1, 9))
-    assert checkpoint_epoch(final) == 8
+    assert pd.read_csv(final / "pytorch_res.csv")["epoch"].tolist() == list(range(1, 6))
+    assert checkpoint_epoch(final) == 5
 
 
 def test_a_stopped_node_without_restarts_ends_both_with_the_kept_epoch_and_resume_goes_on(tmp_path):
     """No restarts left: SIGTERM to the machine that is not the endpoint's ends both within 90 s, each with a line of
     ours naming the kept epoch, where its files are, and --resume True; both started again with it go on."""
-    port, epochs = free_port(), "--epochs=8"
+    port, epochs = free_port(), "--epochs=5"
     nodes = [endpoint_node(port, tmp_path, epochs), node(1, port, tmp_path, epochs)]
     wait_for_rows_of_two_epochs(tmp_path, *nodes)
     os.kill(nodes[1].pid, signal.SIGTERM)
@@ -245,9 +247,9 @@ def test_a_stopped_node_without_restarts_ends_both_with_the_kept_epoch_and_resum
     resumed = [endpoint_node(port, tmp_path, epochs, "--resume=True"), node(1, port, tmp_path, epochs, "--resume=True")]
     more = [n.communicate(timeout=HANG_TIMEOUT)[0] for n in resumed]
     assert [n.returncode for n in resumed] == [0, 0], more
-    assert epochs_printed(*logs, *more) == list(range(1, 9)), [*logs, *more]
+    assert epochs_printed(*logs, *more) == list(range(1, 6)), [*logs, *more]
     final = max((tmp_path / str(n) for n in (0, 1)), key=csv_rows)
-    assert pd.read_csv(final / "pytorch_res.csv")["epoch"].tolist() == list(range(1, 9))
+    assert pd.read_csv(final / "pytorch_res.csv")["epoch"].tolist() == list(range(1, 6))
 
 
 def test_sigterm_to_torchrun_stops_the_job_instead_of_restarting_it(tmp_path):
