@@ -190,43 +190,34 @@ def epochs_printed(*logs: str) -> list[int]:
     return sorted(int(epoch) for log in logs for epoch in re.findall(r"^epoch (\d+)/", log, re.MULTILINE))
 
 
-def test_two_torchrun_nodes_meet_and_only_global_rank_0_writes(tmp_path):
-    """Two torchrun processes as two machines: one run of 2 ranks, whose files only global rank 0's machine gets: the
-    one whose address sorts first."""
-    port = free_port()
-    nodes = [endpoint_node(port, tmp_path, "--epochs=2"), node(1, port, tmp_path, "--epochs=2")]
-    logs = [node.communicate(timeout=HANG_TIMEOUT)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], logs
-    written = [csv_rows(tmp_path / str(n)) for n in (0, 1)]
-    assert written == [2, 0], written  # machine 0's address, 127.0.0.1, sorts first
-    writer, other = tmp_path / "0", tmp_path / "1"
-    assert sorted(p.name for p in writer.iterdir()) == [".lock", "checkpoint.pt", "pytorch_res.csv", "pytorch_res.png"]
-    assert not other.exists() or not any(other.iterdir()), list(other.iterdir())
-    assert "| 2 rank(s) on cpu (gloo) |" in logs[written.index(2)] and "epoch " not in logs[written.index(0)]
-
-
 def test_a_stopped_node_started_again_rejoins_and_the_run_finishes_every_epoch_once(tmp_path):
-    """README's command (--max-restarts=3): the machine that is not the endpoint's gets SIGTERM mid-run and is
-    started again with the same command; the other's torchrun restarts its worker and waits for it. On torch 2.3 to
-    2.7 the stopped machine's torchrun closes the rendezvous for all (pytorch#152525): the other ends too, with our
-    line, and both started again with --resume True go on, as README says."""
+    """Two torchrun processes as two machines, README's command (--max-restarts=3): the one that is not the
+    endpoint's gets SIGTERM mid-run and is started again with the same command; the other's torchrun restarts its
+    worker and waits for it. Only global rank 0's machine, the one whose address sorts first, prints epochs and
+    writes files, at every start. On torch 2.3 to 2.7 the stopped machine's torchrun closes the rendezvous for all
+    (pytorch#152525): the other ends too, with our line, and both started again with --resume True go on, as README
+    says."""
     port, epochs = free_port(), "--epochs=5"
     first = endpoint_node(port, tmp_path, epochs, restarts=3)
     second = node(1, port, tmp_path, epochs, restarts=3)
     wait_for_rows_of_two_epochs(tmp_path, first, second)
     os.kill(second.pid, signal.SIGTERM)
-    logs = [second.communicate(timeout=90)[0]]
+    logs_of_1, logs_of_0 = [second.communicate(timeout=90)[0]], []
     if CLOSES_RENDEZVOUS:
-        logs.append(first.communicate(timeout=90)[0])
-        assert any(line.endswith("do so by themselves)") for line in lines(logs[1])), logs[1]  # our line
+        logs_of_0.append(first.communicate(timeout=90)[0])
+        assert any(line.endswith("do so by themselves)") for line in lines(logs_of_0[0])), logs_of_0  # our line
         first = endpoint_node(port, tmp_path, epochs, "--resume=True", restarts=3)
     again = node(1, port, tmp_path, epochs, *(["--resume=True"] if CLOSES_RENDEZVOUS else []), restarts=3)
-    logs += [first.communicate(timeout=HANG_TIMEOUT)[0], again.communicate(timeout=HANG_TIMEOUT)[0]]
-    assert (first.returncode, again.returncode) == (0, 0), logs
-    assert epochs_printed(*logs) == list(range(1, 6)), logs
-    final = max((tmp_path / str(n) for n in (0, 1)), key=csv_rows)
-    assert pd.read_csv(final / "pytorch_res.csv")["epoch"].tolist() == list(range(1, 6))
-    assert checkpoint_epoch(final) == 5
+    logs_of_0.append(first.communicate(timeout=HANG_TIMEOUT)[0])
+    logs_of_1.append(again.communicate(timeout=HANG_TIMEOUT)[0])
+    assert (first.returncode, again.returncode) == (0, 0), [*logs_of_0, *logs_of_1]
+    assert epochs_printed(*logs_of_0) == list(range(1, 6)) and epochs_printed(*logs_of_1) == [], logs_of_1
+    assert "| 2 rank(s) on cpu (gloo) |" in logs_of_0[-1], logs_of_0
+    writer, other = tmp_path / "0", tmp_path / "1"  # machine 0's address, 127.0.0.1, sorts first
+    assert pd.read_csv(writer / "pytorch_res.csv")["epoch"].tolist() == list(range(1, 6))
+    assert checkpoint_epoch(writer) == 5
+    assert sorted(p.name for p in writer.iterdir()) == [".lock", "checkpoint.pt", "pytorch_res.csv", "pytorch_res.png"]
+    assert not other.exists() or not any(other.iterdir()), list(other.iterdir())
 
 
 def test_a_stopped_node_without_restarts_ends_both_with_the_kept_epoch_and_resume_goes_on(tmp_path):
