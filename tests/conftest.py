@@ -40,8 +40,15 @@ def width(channels: int) -> list[str]:
     return [f"--width={channels}"] if "WIDTH" in SETTINGS else []
 
 
-# A small, fast run: tiny network, synthetic images, several steps per epoch.
-TINY = ["--dataset=synthetic", "--synthetic_size=600", *width(8), "--batch_size=48", "--world_size=2"]
+# A small, fast run: tiny network, small synthetic images (16x16), several steps per epoch.
+TINY = [
+    "--dataset=synthetic",
+    "--synthetic_size=600",
+    "--image_size=16",
+    *width(8),
+    "--batch_size=48",
+    "--world_size=2",
+]
 HANG_TIMEOUT = 240  # seconds; a run that takes longer than this is hanging, not slow
 
 

@@ -33,7 +33,7 @@ from tests.conftest import (
 )
 
 STOP_WITHIN = 10  # seconds from the signal to the launcher's exit (a rank stuck in C++ is another matter)
-LONG = [*TINY, "--synthetic_size=1200", "--epochs=20"]  # epochs of a second or two: a run to stop in the middle
+LONG = [*TINY, "--synthetic_size=1200", "--epochs=20"]  # epochs of about half a second: a run to stop in the middle
 
 
 def lines(text: str) -> list[str]:

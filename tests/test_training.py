@@ -118,8 +118,10 @@ def test_two_ranks_write_one_row_per_epoch(reference_run):
 
 
 def test_two_ranks_of_the_templates_resnet_learn(tmp_path):
-    """With the template's own network (whatever make_model returns after a swap): the recipe learns."""
-    result = run_script(*TINY, "--epochs=4", f"--output_dir={tmp_path}", env=clean_env(TEST_OWN_NETWORK="8"))
+    """With the template's own network (whatever make_model returns after a swap): the recipe learns, on images of
+    CIFAR-10's size."""
+    args = [*TINY, "--image_size=32", "--epochs=4", f"--output_dir={tmp_path}"]
+    result = run_script(*args, env=clean_env(TEST_OWN_NETWORK="8"))
     assert result.returncode == 0, result.stderr
     df = pd.read_csv(tmp_path / "pytorch_res.csv")
     assert df["acc"].iloc[-1] > 0.5, "10 classes: chance is 0.1"
@@ -217,7 +219,7 @@ def without_batchnorm(reference_run, tmp_path_factory) -> dict[str, Path]:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((tmp / "1 rank" / "pytorch_res.csv").stat().st_mtime))
     (tmp / "1 rank" / f"previous-{stamp}").mkdir()
     (tmp / "1 rank" / f"previous-{stamp}" / "pytorch_res.csv").write_text("an even earlier run's")
-    common = [*TINY, "--epochs=2", "--augment=False", "--amp=False", "--lr=4"]
+    common = [*TINY, "--image_size=32", "--epochs=2", "--augment=False", "--amp=False", "--lr=4"]  # rounding: 1e-5
     variants = {"1 rank": ["--world_size=1"], "2 ranks": []}
     runs = {
         name: launch(
