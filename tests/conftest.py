@@ -163,10 +163,11 @@ def launch(
     output: str | None = None,
     ignore_sigint: bool = False,
     cpus: list[int] | None = None,
+    ranks_as_interpreters: bool = False,
 ) -> Launched:
     """`python train_distribute.py *args` (or call="module:function" with args, or `python -m module *args`, or
     `python script *args`), forked from the test server, in a session of its own, so that a test can signal or
-    kill all of it."""
+    kill all of it. Its ranks are forked from it, or with ranks_as_interpreters new interpreters, as a user's are."""
     folder = tempfile.mkdtemp(prefix="run-")
     stdout = output or os.path.join(folder, "stdout")
     request = {
@@ -178,6 +179,7 @@ def launch(
         "ignore_sigint": ignore_sigint,
         "cpus": cpus,
         "file_size_limit": file_size_limit,
+        "ranks_as_interpreters": ranks_as_interpreters,
     }
     if call:
         request.update(call=call, args=list(args))

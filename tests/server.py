@@ -8,7 +8,8 @@ launcher has run a parallel torch operation when it forks. A run then starts in 
 seconds of imports for the launcher and for every rank. Tests of how a run starts and ends keep real interpreters.
 
 Protocol: one JSON request per line on stdin, one JSON answer per line on stdout.
-    {"start": {...}}   fork a run (train_distribute's argv, or a "call", or a "module" run as python -m does);
+    {"start": {...}}   fork a run (train_distribute's argv, its ranks forked or, with "ranks_as_interpreters", new
+                       interpreters as a user's run has them; or a "call", or a "module" run as python -m does);
                        answers {"pid": N}
     {"poll": N}        answers {"code": exit code or null}
 """
@@ -71,7 +72,8 @@ def run_child(request: dict) -> None:
             code = 0
         else:
             sys.argv = ["train_distribute.py", *request["argv"]]
-            code = train_distribute.main(request["argv"], entrypoint=train_distribute.main)
+            ranks = sys.executable if request.get("ranks_as_interpreters") else train_distribute.main
+            code = train_distribute.main(request["argv"], entrypoint=ranks)
     except SystemExit as error:
         code = error.code if isinstance(error.code, int) else 0 if error.code is None else 1
     except BaseException:

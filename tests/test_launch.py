@@ -156,17 +156,14 @@ def test_ctrl_c_mid_epoch_exits_130_in_one_line(tmp_path):
 def test_ctrl_c_while_the_ranks_start_in_new_interpreters_is_one_line(tmp_path, when):
     """The ranks are new interpreters importing torch: the stop waits for them to handle it (held back as they
     start), then the run ends in one line instead of a traceback per rank."""
-    command = [sys.executable, "train_distribute.py", *TINY, f"--output_dir={tmp_path}"]
-    with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env()) as run:
-        deadline = time.monotonic() + HANG_TIMEOUT
-        while len(children_of(run.pid)) < 2:  # the agent has started the ranks
-            assert time.monotonic() < deadline and run.poll() is None
-            time.sleep(0.01)
-        time.sleep(when)
-        os.kill(run.pid, signal.SIGINT)
-        signalled = time.monotonic()
-        out, err = run.communicate(timeout=HANG_TIMEOUT)
-    assert time.monotonic() - signalled < STOP_WITHIN
+    run = launch(*TINY, f"--output_dir={tmp_path}", ranks_as_interpreters=True)
+    deadline = time.monotonic() + HANG_TIMEOUT
+    while len(children_of(run.pid)) < 2:  # the agent has started the ranks
+        assert time.monotonic() < deadline and run.poll() is None
+        time.sleep(0.01)
+    time.sleep(when)
+    os.kill(run.pid, signal.SIGINT)
+    err = ended_in_time(run, time.monotonic())
     assert run.returncode == 130 and lines(err) == [
         "interrupted: it stopped before any epoch finished; nothing to resume: start the run again"
     ], err
@@ -214,19 +211,12 @@ def test_kill_9_of_the_launcher_leaves_no_rank_behind(tmp_path):
     assert ranks_left_after_a_while(ranks) == [], "a rank outlived its launcher"
 
 
-def kill_9_of_a_new_interpreter() -> tuple[list[int], list[int]]:
-    """kill -9 of `python train_distribute.py` mid-run: its ranks, and those left after a while (a scenario)."""
-    out = Path(tempfile.mkdtemp(prefix="kill-9-"))
-    command = [sys.executable, "train_distribute.py", *LONG, f"--output_dir={out}"]
-    with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env()) as run:
-        wait_for_rows(out, 1, run)
-        ranks = children_of(run.pid)  # each in a session of its own: found by process id, never by group
-        os.kill(run.pid, signal.SIGKILL)
-        run.wait(60)
-        return ranks, ranks_left_after_a_while(ranks)
-
-
-@needs((kill_9_of_a_new_interpreter,))
-def test_kill_9_of_a_new_interpreters_launcher_leaves_no_rank_behind():
-    ranks, left = scenario(kill_9_of_a_new_interpreter)
-    assert len(ranks) >= 2 and left == [], "a rank outlived its launcher"
+def test_kill_9_of_the_launcher_leaves_no_rank_in_a_new_interpreter_behind(tmp_path):
+    """The ranks a user's run has, new interpreters, each in a session of its own: found by process id."""
+    run = launch(*LONG, f"--output_dir={tmp_path}", ranks_as_interpreters=True)
+    wait_for_rows(tmp_path, 1, run)
+    ranks = children_of(run.pid)
+    assert len(ranks) >= 2
+    run.kill()
+    run.wait(60)
+    assert ranks_left_after_a_while(ranks) == [], "a rank outlived its launcher"
