@@ -61,7 +61,6 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
     config.local_addr = "127.0.0.1"
     config.monitor_interval = 0.1  # seconds between the agent's looks at the ranks: a failure stops the others at once
     config.start_method = "fork"  # a function entrypoint only: forked from this process, which imported torch already
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # ranks get a store of their own (pytorch#135712)
     os.environ[failures.LAUNCHER_PID] = str(os.getpid())  # ranks report to us, and leave if we are gone
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):  # the agent's log: our lines say what happened
         logging.getLogger(name).addHandler(logging.NullHandler())
@@ -98,7 +97,8 @@ def setup(timeout_s: float = 600.0) -> DistInfo:
         torch.cuda.set_device(device)  # before init, so that NCCL never puts two ranks on GPU 0
         options["device_id"] = device
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))  # the machine's cores, shared
-    dist.init_process_group(backend, **options)  # DDP: every rank of the run joins
+    store = failures.attempt_store(rank, world_size, options["timeout"])  # a torchrun restart's own keys
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **options)  # DDP: every rank joins
     return DistInfo(rank, local_rank, world_size, local_world_size, device, backend)
 
 

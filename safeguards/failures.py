@@ -7,6 +7,7 @@ Started by `python train_distribute.py`, a rank hands its line to the launcher i
 (TORCHELASTIC_ERROR_FILE), and the launcher prints the run's; under torchrun, the rank prints it."""
 
 import ctypes
+import datetime
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +91,33 @@ def guard_parent(launcher: str | None) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if launcher and launcher != str(os.getppid()):
         os._exit(EXIT_STOPPED)
+
+
+def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The process group's store: torch's env:// one, in a part that is this start's alone. torchrun keeps its store
+    across restarts (pytorch#135712): an earlier attempt's keys there would connect the group to ranks that are gone.
+    Rank 0 names a new part; another rank uses the name it read once rank 0 answered its question asked in that part
+    (a name left by an earlier attempt gets no answer: its rank 0 is gone), else reads the name again."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        part = uuid.uuid4().hex
+        store.set("attempt", part)
+        asked = [f"{part}/asks/{other}" for other in range(1, world_size)]
+        store.wait(asked, timeout)
+        for key in asked:
+            store.set(f"{part}/answers/{store.get(key).decode()}", "")
+        return dist.PrefixStore(part, store)
+    question = uuid.uuid4().hex
+    while True:
+        part = store.get("attempt").decode()
+        store.set(f"{part}/asks/{rank}", question)
+        try:
+            store.wait([f"{part}/answers/{question}"], datetime.timedelta(seconds=1))
+            return dist.PrefixStore(part, store)
+        except RuntimeError:  # no answer in time: an earlier attempt's name, or rank 0 still waits for another rank
+            if time.monotonic() > deadline:
+                raise
 
 
 def all_ranks_try(action: Callable[[], Any] | None) -> Any:

@@ -66,7 +66,7 @@ def clean_env(**extra: str) -> dict:
         k: v
         for k, v in os.environ.items()
         if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-        and not k.startswith(("TORCHELASTIC_", "SLURM_", "RESNET_DDP_"))
+        and not k.startswith(("TORCHELASTIC_", "SLURM_", "RESNET_DDP_", "TORCH_DISABLE_SHARE_RDZV"))
     }
     env.update(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", **extra)
     return env
@@ -283,10 +283,6 @@ def pytest_collection_finish(session) -> None:
 
 
 # ----------------------------------------------------------------------------- reading runs
-
-
-def torchrun_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
 def free_port() -> int:
