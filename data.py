@@ -7,8 +7,12 @@ on the device. Two loaders with one interface:
                   the files as training goes"""
 
 import hashlib
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import signal
 import socket
+import sys
 import warnings
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -24,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from distribute_tools import DistInfo
-from safeguards.failures import KEPT, UserError, first_line, guard_parent, ignore_stop_signals
+from safeguards.failures import KEPT, STOP_SIGNALS, UserError, first_line, guard_parent, ignore_stop_signals
 
 # CIFAR-10's published statistics, 0..1 units (generated images are made alike: mean 0.5, std about 0.25)
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -33,13 +37,17 @@ CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SYNTHETIC_CLASSES = 10
 EVAL_BATCH = 500  # test images per evaluation batch
+UNREADABLE_STOP = 0.1  # a pass over an image folder with more unreadable files than this share stops the run
 
 
 def prepare(cfg: SimpleNamespace) -> None:
     """Download CIFAR-10 into DATA_DIR unless it is there: one process per folder at a time (a file lock), since ranks
     downloading at once corrupt the archive. An image folder: both splits must hold the same classes."""
-    if cfg.DATASET == "imagefolder" and list_folder(cfg.DATA_DIR, "train")[0] != list_folder(cfg.DATA_DIR, "test")[0]:
-        raise UserError(f"{cfg.DATA_DIR}/train and test/ hold different class folders; give both the same classes")
+    if cfg.DATASET == "imagefolder":
+        train, test = (set(list_folder(cfg.DATA_DIR, split)[0]) for split in ("train", "test"))
+        only = {"train": train - test, "test": test - train}
+        if differ := "; ".join(f"only in {split}/: {', '.join(sorted(c)[:5])}" for split, c in only.items() if c):
+            raise UserError(f"{cfg.DATA_DIR}/train and test/ hold other classes ({differ}); give both the same folders")
     if cfg.DATASET != "cifar10":
         return
     try:
@@ -84,13 +92,15 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
         kind, options = StreamLoader, {**options, "workers": workers}
         splits: list[Any] = [ImageFiles(samples, cfg.IMAGE_SIZE) for samples in (train, test)]
         source, how = f"files {folder_digest(cfg.DATA_DIR, train + test)}", f"stream, {workers} worker(s) per rank"
+        with Image.open(train[0][0]) as first:  # the header only: the first line says when images are stretched
+            found = "x".join(map(str, first.size))
     elif cfg.DATASET == "synthetic":  # the memory loader's splits: uint8 NHWC images and their labels
-        kind, source, how, n = MemoryLoader, "generated", "memory", cfg.SYNTHETIC_SIZE
+        kind, source, how, n, found = MemoryLoader, "generated", "memory", cfg.SYNTHETIC_SIZE, None
         splits = [make_synthetic(size, cfg.SEED, split, cfg.IMAGE_SIZE) for split, size in enumerate((n, n // 5 or 1))]
         classes = [f"class_{c}" for c in range(SYNTHETIC_CLASSES)]
     else:
         cifar = [_cifar10(cfg.DATA_DIR, train) for train in (True, False)]
-        kind, source, how = MemoryLoader, "CIFAR-10", "memory"
+        kind, source, how, found = MemoryLoader, "CIFAR-10", "memory", None
         splits, classes = [(torch.from_numpy(c.data), torch.tensor(c.targets)) for c in cifar], cifar[0].classes
     loaders = [kind(split, augment, **options) for split, augment in zip(splits, (cfg.AUGMENT, False), strict=True)]
     if len(loaders[0]) < cfg.BATCH_SIZE:
@@ -98,7 +108,8 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
     size = f"{cfg.IMAGE_SIZE}x{cfg.IMAGE_SIZE}"
     identity = f"{len(loaders[0]):,} train, {len(loaders[1]):,} test images of {size}, {len(classes)} classes, {source}"
     record = {"identity": identity, "classes": classes, "mean": mean, "std": std, "image_size": cfg.IMAGE_SIZE}
-    return loaders[0], loaders[1], {**record, "loader": how}
+    stretched = found if found not in (None, size) else None  # the images' size, where they are stretched
+    return loaders[0], loaders[1], {**record, "loader": how, "train_images": len(loaders[0]), "stretched": stretched}
 
 
 def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +128,9 @@ def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tu
 
 
 def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, int]]]:
-    """Class names (sorted sub-folder names; hidden ones such as .ipynb_checkpoints skipped) and (path, label) of every
-    image in them, in sub-folders too (torchvision's listing)."""
+    """Class names (sorted sub-folder names) and (path, label) of every image in them, in sub-folders too
+    (torchvision's listing). Names that start with a dot are skipped: hidden folders such as .ipynb_checkpoints, and
+    macOS's ._ files."""
     from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
     root = os.path.join(data_dir, split)
@@ -128,10 +140,18 @@ def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, i
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise UserError(f"{root} holds no class folders; put one sub-folder per class in it, with the images inside")
+
+    def is_image(path: str) -> bool:
+        hidden = any(part.startswith(".") for part in os.path.relpath(path, root).split(os.sep))
+        return path.lower().endswith(IMG_EXTENSIONS) and not hidden
+
     try:
-        return classes, make_dataset(root, {name: label for label, name in enumerate(classes)}, IMG_EXTENSIONS)
+        samples = make_dataset(root, {name: label for label, name in enumerate(classes)}, is_valid_file=is_image)
     except FileNotFoundError as e:  # a class without images
         raise UserError(f"{root}: {first_line(e).rstrip('.')}; every class needs images in train/ and test/") from None
+    if broken := next((path for path, _ in samples if not os.path.exists(path)), None):
+        raise UserError(f"{broken} is a link to nothing; remove it or put back what it points to")
+    return classes, samples
 
 
 def folder_digest(data_dir: str, samples: list[tuple[str, int]]) -> str:
@@ -155,8 +175,8 @@ def decode(path: str, size: int) -> np.ndarray:
 
 class ImageFiles(Dataset):
     """A split of an image folder, read from its files. A file that cannot be decoded becomes a black image marked
-    with its index, so that the ranks stop together (StreamLoader) instead of one worker's traceback stopping one
-    rank. Paths are one numpy array, which forked workers share (a list's reference counts would copy it)."""
+    with its index, which StreamLoader leaves out and names, instead of one worker's traceback stopping one rank.
+    Paths are one numpy array: a worker gets it in one piece (a list's reference counts would copy it page by page)."""
 
     def __init__(self, samples: list[tuple[str, int]], size: int) -> None:
         self.paths = np.array([os.fsencode(path) for path, _ in samples])
@@ -178,15 +198,38 @@ class ImageFiles(Dataset):
 
 
 def reader(files: ImageFiles, batch_size: int, sampler: Any, workers: int, pin: bool, **options: Any) -> DataLoader:
-    """Batches of `files` in the order of `sampler`, decoded by `workers` forked processes a few batches ahead (each
-    leaves stopping to its rank and dies with it); workers=0 decodes in this process, where a debugger reaches it."""
-
-    def quiet(worker_id: int) -> None:  # a Ctrl-C or scancel reaches every process: the rank decides what happens
-        ignore_stop_signals()
-        guard_parent(None)
-
-    parallel = {"multiprocessing_context": "fork", "prefetch_factor": 4, "worker_init_fn": quiet} if workers else {}
+    """Batches of `files` in the order of `sampler`, decoded by `workers` processes a few batches ahead, kept for the
+    whole run; workers=0 decodes in this process, where a debugger reaches it. The workers come from a fork server
+    (forkserver_context), never from a fork of the rank: a fork copies the lock of whatever thread holds one (the
+    loaders' queue feeders, the background writer), and the child can hang on it for good; and a forked worker would
+    hold the rank's open files, OUTPUT_DIR's lock among them."""
+    parallel: dict[str, Any] = {}
+    if workers:
+        parallel = {"multiprocessing_context": forkserver_context(), "worker_init_fn": quiet_worker}
+        parallel |= {"prefetch_factor": 4, "persistent_workers": True}
     return DataLoader(files, batch_size, sampler=sampler, num_workers=workers, pin_memory=pin, **parallel, **options)
+
+
+def forkserver_context() -> Any:
+    """multiprocessing's fork server: a new interpreter (no thread, no file of the run) that imports torch once and
+    forks the workers. Started with the stop signals held back, which it and its workers keep: the rank decides."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "data"])
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    return context
+
+
+def quiet_worker(worker_id: int) -> None:
+    """A worker leaves stopping to its rank, and dies with it: with its fork server (SIGKILL when that ends, which it
+    does when the rank ends), or at once if the rank has already gone."""
+    ignore_stop_signals()
+    guard_parent(None)
+    if not multiprocessing.parent_process().is_alive():
+        os._exit(0)
 
 
 # ----------------------------------------------------------------------------- the loaders
@@ -239,8 +282,8 @@ class MemoryLoader(Loader):
 
 
 class StreamLoader(Loader):
-    """A split of an image folder, read from its files as training goes by DataLoader workers (kept across epochs
-    for training, per pass for evaluation). A file that cannot be decoded stops every rank at the pass's end, named."""
+    """A split of an image folder, read from its files as training goes by DataLoader workers, kept for the run. A
+    file that cannot be decoded is left out and named at the end of the pass; a pass with too many stops the run."""
 
     def __init__(self, files: ImageFiles, *args: Any, workers: int, **options: Any) -> None:
         super().__init__(*args, **options)
@@ -252,14 +295,16 @@ class StreamLoader(Loader):
     def train_batches(self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int) -> Any:
         if "train" not in self.readers:  # DDP: each rank's shard of one shuffle; drop_last: every rank as many steps
             sampler = DistributedSampler(self.files, world_size, rank, shuffle=True, seed=seed, drop_last=True)
-            persistent = {"persistent_workers": True} if self.workers else {}
-            self.readers["train"] = self._reader(global_batch // world_size, sampler, drop_last=True, **persistent)
+            self.readers["train"] = self._reader(global_batch // world_size, sampler, drop_last=True)
         self.readers["train"].sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same on every rank
         yield from self._batches(self.readers["train"], self.augmentation(seed, epoch, rank))
 
     def eval_batches(self, world_size: int, rank: int) -> Any:
-        part = torch.tensor_split(torch.arange(len(self)), world_size)[rank].tolist()  # no image padded in or left out
-        yield from self._batches(self._reader(EVAL_BATCH // 2, part), None)
+        if "test" not in self.readers:  # no image padded in or left out
+            self.readers["test"] = self._reader(
+                EVAL_BATCH // 2, torch.tensor_split(torch.arange(len(self)), world_size)[rank].tolist()
+            )
+        yield from self._batches(self.readers["test"], None)
 
     def _reader(self, batch_size: int, sampler: Any, **options: Any) -> DataLoader:
         return reader(self.files, batch_size, sampler, self.workers, self.device.type == "cuda", **options)
@@ -267,12 +312,22 @@ class StreamLoader(Loader):
     def _batches(self, batches: DataLoader, generator: torch.Generator | None) -> Any:
         bad: list[int] = []
         for pixels, labels, marks in batches:
-            bad += marks[marks >= 0].tolist()  # on the host, from the workers: no device sync
+            if (marks >= 0).any():  # on the host, from the workers: no device sync
+                bad += marks[marks >= 0].tolist()
+                if (marks >= 0).all():  # nothing of the batch to train on: the data is gone
+                    raise UserError(f"{self.files.unreadable(bad)}; put back good copies and resume; {KEPT}")
+                pixels, labels = pixels[marks < 0], labels[marks < 0]  # the files that cannot be read are left out
             yield self.prepare(pixels.to(self.device, non_blocking=True), generator), labels.to(self.device)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, bad)  # DDP: every rank, at the end of each pass
-        if found := [i for theirs in everyone for i in theirs]:
-            raise UserError(f"{self.files.unreadable(found)}; put back good copies and resume; {KEPT}")
+        if found := sorted({i for theirs in everyone for i in theirs}):
+            line = self.files.unreadable(found)
+            if len(found) > UNREADABLE_STOP * len(self):
+                raise UserError(f"{line}; put back good copies and resume; {KEPT}")
+            what = (
+                "left out of this pass" if generator else f"the accuracy is over the other {len(self) - len(found):,}"
+            )
+            print(f"warning: {line}; {what}", file=sys.stderr, flush=True) if dist.get_rank() == 0 else None
 
 
 def seed_for(*parts: int) -> int:

@@ -3,7 +3,8 @@
     python predict.py output/checkpoint.pt photo.png more_photos/ > predictions.csv
 
 Each PATH is an image file, or a folder searched (sub-folders too) for files with the extensions training reads.
-Prints CSV (UTF-8): path,class,probability, one row per image, sorted by path; messages go to stderr. In your code:
+Prints CSV (UTF-8): path,class,probability, one row per image, sorted by path; messages go to stderr, and when every
+image lies in a folder named after one of the classes (a run's test/ folder, say), `accuracy A on N images`. In code:
 
     from predict import Classifier
     classifier = Classifier("output/checkpoint.pt")  # network, weights, preprocessing and class names
@@ -19,7 +20,7 @@ import torch
 
 import data
 import train_distribute
-from safeguards import settings
+from safeguards import settings, start
 from safeguards.failures import UserError, first_line
 
 
@@ -39,7 +40,11 @@ class Classifier:
         self.classes, self.image_size = list(record["classes"]), int(record["image_size"])
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = train_distribute.make_model(cfg, len(self.classes))
-        self.model.load_state_dict(saved["model"])  # torch names each difference from make_model's network
+        if differs := start.compare_weights(self.model, saved["model"])[1]:
+            raise UserError(
+                f"{path} holds another network than make_model builds ({differs}); use the code that made it"
+            )
+        self.model.load_state_dict(saved["model"])
         self.model.to(self.device, memory_format=torch.channels_last).eval()
         self.loader = data.Loader(False, record["mean"], record["std"], self.device, torch.channels_last)
 
@@ -81,17 +86,24 @@ def main(argv: list[str]) -> int:
             probabilities.append(classifier.probabilities(pixels))
             marks.append(marked)
         readable = (torch.cat(marks) < 0).tolist()
-        found = zip(paths, torch.cat(probabilities), readable, strict=True)
-        rows = [[path, classifier.classes[p.argmax()], f"{p.max():.6f}"] for path, p, ok in found if ok]
-        if not rows:
+        found = [(path, p) for path, p, ok in zip(paths, torch.cat(probabilities), readable, strict=True) if ok]
+        if not found:
             raise UserError("none of the images could be read; give image files that open as images")
         if skipped := [path for path, ok in zip(paths, readable, strict=True) if not ok]:
             print(f"warning: skipped {len(skipped)} file(s) that are no images: {skipped[0]}", file=sys.stderr)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sys.stdout.reconfigure(encoding="utf-8")
-    csv.writer(sys.stdout, lineterminator="\n").writerows([["path", "class", "probability"], *rows])
+    rows = [[path, classifier.classes[p.argmax()], f"{p.max():.6f}"] for path, p in found]
+    if all(os.path.basename(os.path.dirname(path)) in classifier.classes for path, _ in found):  # labelled images
+        right = sum(os.path.basename(os.path.dirname(path)) == name for path, name, _ in rows)
+        print(f"accuracy {right / len(rows):.4f} on {len(rows)} images", file=sys.stderr)
+    try:
+        sys.stdout.reconfigure(encoding="utf-8")
+        csv.writer(sys.stdout, lineterminator="\n").writerows([["path", "class", "probability"], *rows])
+        sys.stdout.flush()
+    except BrokenPipeError:  # `predict.py ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to write at exit
     return 0
 
 

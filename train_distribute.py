@@ -13,6 +13,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -37,8 +38,7 @@ DATA_DIR: str = "./data"  # CIFAR-10 is downloaded here; imagefolder reads DATA_
 SYNTHETIC_SIZE: int = 10_000  # training images of DATASET="synthetic" (and a fifth as many test images)
 OUTPUT_DIR: str = "./output"  # CSV, picture and checkpoint; an earlier run's files there move to previous-<time>/
 IMAGE_SIZE: int = 32  # images of another size are stretched to this square; CIFAR-10 is 32
-LOADER: Literal["auto", "memory", "stream"] = "auto"  # memory: the set on the device; stream: files read as it trains
-NUM_WORKERS: int = -1  # stream: decoding processes per rank; -1: the rank's share of the cores less one (min. 1)
+NUM_WORKERS: int = -1  # image folders: decoding processes per rank; -1: the rank's share of the cores less one, min. 1
 WIDTH: int = 64  # channels of the first layer: 64 is the seed's network (9.6 M parameters); 8 or 16 for quick runs
 # the recipe; the seed's: --optimizer adam --lr 1e-3 --schedule constant --batch_size 256 --epochs 100
 # --weight_decay 0 --label_smoothing 0 --augment False --tta False
@@ -55,11 +55,14 @@ AUGMENT: bool = True  # random crops (shifts of up to an eighth of the image, re
 TTA: bool = True  # test-time augmentation: average the logits of each test image and its mirror image
 MUON_SCALE: float = 0.1  # muon: the filters' orthogonalised step, per unit of LR (the run's, batch-scaled)
 SEED: int = 0  # model init, data order and augmentation derive from SEED, the epoch and the rank only
+INIT_FROM: str = ""  # fine-tune: a checkpoint.pt whose tensors of matching name and shape replace the initial weights
 # speed, hardware and processes (a resumed run may change these)
 AMP: bool = True  # bf16 autocast on GPUs and on CPUs with native bf16 (fp32 elsewhere, or when False)
 COMPILE: bool = False  # torch.compile the model: faster steps after a minute or more of compiling
+ACCUMULATE: int = 1  # micro-batches per step: each rank's share of the batch in this many passes, in less memory
 WORLD_SIZE: int = 0  # processes to start: 0 = one per GPU (2 on a machine without GPUs); torchrun decides there
-RESUME: bool = False  # continue the run in OUTPUT_DIR from its checkpoint.pt (torchrun/SLURM restarts do it anyway)
+RESUME: bool = False  # continue OUTPUT_DIR's run with its checkpoint's settings (restarts do); --epochs N extends it
+TENSORBOARD: bool = False  # also write TensorBoard event files into OUTPUT_DIR (needs the tensorboard package)
 COLLECTIVE_TIMEOUT: int = 600  # seconds a rank waits for the others in a collective before the run fails
 
 
@@ -88,10 +91,11 @@ class Run:
 
 def main_worker(cfg: SimpleNamespace) -> None:
     """Everything one rank does, from joining the group to leaving it."""
-    data.prepare(cfg)  # CIFAR-10 downloaded once per machine (a file lock); under the launcher, there already
     info = distribute_tools.setup(cfg.COLLECTIVE_TIMEOUT)  # DDP: join the group
-    kind, checkpoint = start.all_ranks_begin(cfg, info)  # DDP: new, resumed or finished, decided alike on every rank
+    # DDP: new, resumed or finished, decided alike on every rank; a resume goes on with the checkpoint's settings
+    kind, checkpoint, cfg = start.all_ranks_begin(cfg, info)
     if kind != "finished":
+        data.prepare(cfg)  # CIFAR-10 downloaded once per machine (a file lock); under the launcher, there already
         train(build_run(cfg, info), checkpoint)
     distribute_tools.cleanup()  # DDP: every rank meets, then leaves
 
@@ -120,9 +124,11 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
 def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     """The epochs: train, evaluate, report; rank 0 hands each epoch's files to a background writer."""
     cfg, info, started = run.cfg, run.info, time.perf_counter()
-    # a resumed run: the checkpoint's weights, optimizer state and rows, once its data and network are checked
-    history = start.restore(checkpoint, run.model, run.optimizer, run.data["identity"], cfg.OUTPUT_DIR)
-    writer = files.ResultWriter(cfg.OUTPUT_DIR) if info.is_main else None  # DDP: rank 0 alone writes files
+    # a resumed run: the checkpoint's weights, optimizer state and rows, once its data and network are checked; a new
+    # one with INIT_FROM (fine-tuning): that run's weights where their names and shapes are the network's
+    history = start.restore(checkpoint, run.model, run.optimizer, run.data["identity"], cfg)
+    # DDP: rank 0 alone writes files (and TensorBoard's, which a resume continues from its first epoch)
+    writer = files.ResultWriter(cfg.OUTPUT_DIR, cfg.TENSORBOARD, len(history) + 1) if info.is_main else None
     if writer:
         print(files.describe(run.model, cfg, info, run.data, run.train_data.steps_per_epoch(cfg.BATCH_SIZE), run.bf16))
     earlier_seconds = history[-1]["elapsed_seconds"] if history else 0.0  # a resumed run's clock goes on
@@ -191,6 +197,7 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
     started, lr = time.perf_counter(), 0.0
     # DDP: this rank's shard of the epoch (every rank draws the same order and takes its own part)
     batches = run.train_data.train_batches(cfg.BATCH_SIZE, info.world_size, info.rank, cfg.SEED, epoch)
+    batches = files.progress(batches, steps, epoch, cfg) if info.is_main else batches  # a bar on a terminal
     for step, (x, y) in enumerate(batches):
         torch.manual_seed(data.seed_for(cfg.SEED, epoch, info.rank, step))  # the network's dropout: resumes exactly
         lr = lr_at((epoch - 1) * steps + step, cfg.EPOCHS * steps, peak_lr(cfg), cfg.SCHEDULE, cfg.WARMUP)
@@ -205,18 +212,23 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
 
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: Callable, sums: torch.Tensor) -> None:
-    """One optimizer step on this rank's share of the global batch. Adds [loss x images, correct, images] to the
-    device tensor `sums` (no host sync)."""
+    """One optimizer step on this rank's share of the global batch, in ACCUMULATE micro-batches (less memory, the same
+    step but for BatchNorm, which sees each micro-batch alone). Adds [loss x images, correct, images] to the device
+    tensor `sums` (no host sync)."""
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     run.optimizer.zero_grad(set_to_none=True)
-    with torch.autocast(run.info.device.type, dtype=torch.bfloat16, enabled=run.bf16):
-        logits = run.ddp_model(x)
-        loss = loss_fn(logits, y)
-    loss.backward()  # DDP: gradients are averaged over the ranks during backward, bucket by bucket
-    sums[0] += loss.detach().float() * len(y)
-    sums[1] += (logits.argmax(dim=1) == y).sum()
-    sums[2] += len(y)
+    micro_batches = list(zip(x.chunk(run.cfg.ACCUMULATE), y.chunk(run.cfg.ACCUMULATE), strict=True))
+    for i, (x_part, y_part) in enumerate(micro_batches):
+        # DDP: gradients are averaged over the ranks during the last micro-batch's backward, bucket by bucket
+        with run.ddp_model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
+            with torch.autocast(run.info.device.type, dtype=torch.bfloat16, enabled=run.bf16):
+                logits = run.ddp_model(x_part)
+                loss = loss_fn(logits, y_part)
+            (loss * len(y_part) / len(y)).backward()  # the gradients add up to those of the whole share's mean
+        sums[0] += loss.detach().float() * len(y_part)
+        sums[1] += (logits.argmax(dim=1) == y_part).sum()
+        sums[2] += len(y_part)
     run.optimizer.step()  # DDP: Muon's step broadcasts each rank's share of the filters' updates
 
 
@@ -262,12 +274,13 @@ def main(argv: list[str], entrypoint: Callable | str = sys.executable) -> int:
 
 def launch(argv: list[str], entrypoint: Callable | str) -> None:
     """The launcher: the checks, the start rule on this machine's OUTPUT_DIR, the data made ready once, the ranks."""
-    cfg, world_size = settings.read_and_check(sys.modules[__name__], argv)
-    if start.decide_here(cfg) == "finished":  # a resume of a complete run has nothing to do
+    cfg, _ = settings.read_and_check(sys.modules[__name__], argv)
+    kind, cfg = start.decide_here(cfg)  # a resume goes on with the checkpoint's settings
+    if kind == "finished":  # a resume of a complete run has nothing to do
         return
     data.prepare(cfg)  # download CIFAR-10 once, for every rank
     args = ("-u", __file__, *argv) if isinstance(entrypoint, str) else (argv,)  # a program, or a function of argv
-    distribute_tools.run_distribute(entrypoint, world_size, *args)  # DDP: a process per rank
+    distribute_tools.run_distribute(entrypoint, settings.check(cfg), *args)  # DDP: a process per rank
 
 
 if __name__ == "__main__":

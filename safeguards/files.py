@@ -6,9 +6,10 @@ import copy
 import os
 import resource
 import shutil
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -19,7 +20,10 @@ from safeguards.failures import UserError, first_line
 
 CSV_NAME, PLOT_NAME, CHECKPOINT_NAME = "pytorch_res.csv", "pytorch_res.png", "checkpoint.pt"
 RESULT_FILES = (CSV_NAME, PLOT_NAME, CHECKPOINT_NAME)
+EVENTS_PREFIX = "events.out.tfevents."  # TensorBoard's event files (TENSORBOARD=True)
+TENSORBOARD_COLUMNS = ("loss", "acc", "test_loss", "lr", "images_per_second")
 PLOT_SHARE = 0.02  # the picture, the slowest file, is redrawn at most this share of the time
+PROGRESS_EVERY = 60.0  # seconds between an epoch's progress lines in a log file (a terminal gets a live bar)
 
 
 class ResultWriter:
@@ -27,12 +31,18 @@ class ResultWriter:
     pending: wait() blocks until the previous epoch's files are on disk, so a kill -9 loses at most the epoch in
     flight. close() finishes everything, however the run ends."""
 
-    def __init__(self, output_dir: str) -> None:
+    def __init__(self, output_dir: str, tensorboard: bool = False, first_epoch: int = 1) -> None:
         self.output_dir = output_dir
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
         self.pending: Future | None = None
         self.saved: list[dict] = []  # the rows whose checkpoint and CSV are on disk
         self.plotted, self.next_plot = 0, 0.0
+        self.events = None
+        if tensorboard:  # the package is needed only then (settings.check)
+            from torch.utils.tensorboard import SummaryWriter
+
+            # a resumed run's events go on from its first epoch; later ones of the run that stopped are hidden
+            self.events = SummaryWriter(output_dir, purge_step=first_epoch)
 
     def wait(self) -> float:
         """Seconds waited for the files handed over last; a failed write is one line naming the file and the fix."""
@@ -56,11 +66,16 @@ class ResultWriter:
                 plot(self.saved, self.output_dir)
         finally:
             self.pool.shutdown()
+            self.events.close() if self.events else None
 
     def _write(self, snapshot: dict[str, Any], history: list[dict]) -> None:
         write_atomically(os.path.join(self.output_dir, CHECKPOINT_NAME), lambda tmp: torch.save(snapshot, tmp))
         write_csv(history, self.output_dir)  # after the checkpoint: the CSV can always be rebuilt from it
         self.saved = history
+        if self.events:  # TensorBoard's curves, beside the CSV
+            for name in TENSORBOARD_COLUMNS:
+                self.events.add_scalar(name, history[-1][name], history[-1]["epoch"])
+            self.events.flush()
         if time.monotonic() >= self.next_plot:
             started = time.monotonic()
             plot(history, self.output_dir)
@@ -127,15 +142,39 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def describe(model: torch.nn.Module, cfg: Any, info: Any, data: dict, steps: int, bf16: bool) -> str:
-    """Rank 0's first line: what the run is."""
+    """Rank 0's first line: what the run is, and what it does to the data (images stretched, images left out)."""
     width = f"width={model.width}, " if isinstance(getattr(model, "width", None), int) else ""  # the ResNet's knob
     parameters = f"{width}{sum(p.numel() for p in model.parameters()):,} parameters"
     images = f"{data['identity'].split(' of ')[0]} on {cfg.DATASET}"
+    images += f" ({data['stretched']} stretched to {cfg.IMAGE_SIZE}x{cfg.IMAGE_SIZE})" if data["stretched"] else ""
+    left = data["train_images"] - steps * cfg.BATCH_SIZE  # the last partial batch of every epoch
+    batches = f"global batch {cfg.BATCH_SIZE}" + (f" in {cfg.ACCUMULATE} micro-batches" if cfg.ACCUMULATE > 1 else "")
+    batches += f", {steps} steps per epoch" + (
+        f" ({left:,} images left out each)" if left > data["train_images"] / 100 else ""
+    )
     return (
         f"{type(model).__name__}({parameters}) | {images} | loader {data['loader']} | {info.world_size} rank(s) on "
-        f"{info.device.type} ({info.backend}) | global batch {cfg.BATCH_SIZE}, {steps} steps per epoch, {cfg.EPOCHS} "
-        f"epochs | {cfg.OPTIMIZER} | {'bf16 autocast' if bf16 else 'fp32'}"
+        f"{info.device.type} ({info.backend}) | {batches}, {cfg.EPOCHS} epochs | {cfg.OPTIMIZER} | "
+        f"{'bf16 autocast' if bf16 else 'fp32'}"
     )
+
+
+def progress(batches: Iterable, steps: int, epoch: int, cfg: Any) -> Iterator:
+    """Rank 0's view of an epoch's batches as it trains: on a terminal a bar with the rate and the time left (tqdm);
+    in a log file a line every PROGRESS_EVERY seconds, once an epoch lasts that long."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = {"unit": "img", "unit_scale": cfg.BATCH_SIZE, "leave": False, "dynamic_ncols": True}
+        yield from tqdm(batches, f"epoch {epoch}/{cfg.EPOCHS}", total=steps, **bar)
+        return
+    started = said = time.monotonic()
+    for step, batch in enumerate(batches, 1):
+        yield batch
+        if (now := time.monotonic()) - said >= PROGRESS_EVERY:
+            said, rate = now, step / (now - started)
+            done = f"{step:,} of {steps:,} steps, {rate * cfg.BATCH_SIZE:,.0f} img/s"
+            print(f"epoch {epoch}/{cfg.EPOCHS}: {done}, {(steps - step) / rate / 60:.1f} min left", flush=True)
 
 
 def epoch_line(row: dict, epochs: int) -> str:

@@ -4,6 +4,7 @@ and one line for a value of the wrong type or out of range (in the file or on th
 that needs no rank, each one line naming the fix."""
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -16,16 +17,18 @@ import torch
 import distribute_tools
 from safeguards.failures import UserError
 
-# Settings that may differ between a run and its resumption: where files are, how it is launched and on what
-# hardware, how it evaluates or reports. Every other setting shapes the run, so a new one is checked on resume.
-FREE_ON_RESUME = set("DATA_DIR OUTPUT_DIR RESUME WORLD_SIZE AMP COMPILE TTA NUM_WORKERS COLLECTIVE_TIMEOUT".split())
+# Settings that a resumed run may change: where files are, how it is launched, on what hardware and in how many
+# micro-batches, how it evaluates or reports. Every other setting shapes the run: a resume keeps the checkpoint's.
+FREE_ON_RESUME = set("DATA_DIR OUTPUT_DIR RESUME WORLD_SIZE AMP COMPILE ACCUMULATE TTA NUM_WORKERS".split())
+FREE_ON_RESUME |= {"COLLECTIVE_TIMEOUT", "TENSORBOARD"}
 # Allowed ranges: (lowest, highest), None where open; one the script lacks (WIDTH, after a network swap) is skipped.
-LIMITS = {name: (1, None) for name in "EPOCHS BATCH_SIZE SYNTHETIC_SIZE COLLECTIVE_TIMEOUT WIDTH".split()}
+LIMITS = {name: (1, None) for name in "EPOCHS BATCH_SIZE ACCUMULATE SYNTHETIC_SIZE COLLECTIVE_TIMEOUT WIDTH".split()}
 LIMITS |= {"IMAGE_SIZE": (8, None), "NUM_WORKERS": (-1, None), "WARMUP": (0, 1), "LABEL_SMOOTHING": (0, 0.99)}
 LIMITS |= {"MOMENTUM": (0, 0.999), "WEIGHT_DECAY": (0, 1), "LR": (1e-12, None), "WORLD_SIZE": (0, None)}
 BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 KINDS = {int: "an integer, e.g. 1", float: "a number, e.g. 0.1", bool: "True or False", str: "text"}
 DEFAULTS: dict[str, Any] = {}  # each setting's value in the file, as read() found it
+GIVEN: set[str] = set()  # the settings that the command line gave, as the last read() found them
 
 
 def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
@@ -45,6 +48,8 @@ def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
         option["metavar"] = None if choices else kind.__name__.upper()  # --help: the type, or the choices
         parser.add_argument(f"--{name.lower()}", dest=name, **option, **bare)
     cfg = SimpleNamespace(**vars(parser.parse_args(argv)))
+    GIVEN.clear()
+    GIVEN.update(name for name in DEFAULTS if any(a.partition("=")[0] == f"--{name.lower()}" for a in argv))
     for name, (low, high) in LIMITS.items():
         value = getattr(cfg, name, None)
         if value is not None and not (low <= value and (high is None or value <= high)):
@@ -56,33 +61,56 @@ def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
 
 def read_and_check(script: ModuleType, argv: list[str]) -> tuple[SimpleNamespace, int]:
     """The script's settings and the world size, and every check that needs no rank, before anything starts (in the
-    launcher; under torchrun in every rank before it joins the group). Ranks that would share a GPU are refused where
-    each chooses its device (distribute_tools.setup)."""
+    launcher; under torchrun in every rank before it joins the group)."""
     cfg = read(script, argv)
+    return cfg, check(cfg)
+
+
+def check(cfg: SimpleNamespace) -> int:
+    """The world size, once the settings pass every check that needs no rank (a resume's again, with the checkpoint's
+    settings). Ranks that would share a GPU are refused where each chooses its device (distribute_tools.setup)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # the first line names the device in use
     # torchrun's world size when it started this process; else WORLD_SIZE, 0 meaning every GPU (or 2 CPU processes)
     world_size = int(os.environ["WORLD_SIZE"]) if distribute_tools.under_torchrun() else cfg.WORLD_SIZE or gpus or 2
-    if cfg.BATCH_SIZE % world_size:
-        raise UserError(f"BATCH_SIZE={cfg.BATCH_SIZE} does not split evenly over {world_size} ranks; use a multiple")
+    if cfg.BATCH_SIZE % (world_size * cfg.ACCUMULATE):
+        split = f"{world_size} ranks x {cfg.ACCUMULATE} micro-batches" if cfg.ACCUMULATE > 1 else f"{world_size} ranks"
+        raise UserError(f"BATCH_SIZE={cfg.BATCH_SIZE} does not split evenly over {split}; use a multiple")
     if cfg.DATASET == "cifar10" and cfg.IMAGE_SIZE != 32:
         raise UserError(f"IMAGE_SIZE={cfg.IMAGE_SIZE} but CIFAR-10's images are 32x32; use --image_size 32")
-    return cfg, world_size
+    if cfg.TENSORBOARD and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("TENSORBOARD=True needs the tensorboard package: pip install tensorboard, or leave it False")
+    return world_size
 
 
-def check_resume(saved: dict[str, Any], cfg: SimpleNamespace, restart: str = "") -> None:
-    """A resumed run continues the same run: every setting outside FREE_ON_RESUME as the checkpoint's (one added
-    since it was written counts as its default there). `restart`: what made this start a restart (torchrun's or
-    SLURM's count), which resumes by itself: its fix is another, not --resume."""
+def resumed(cfg: SimpleNamespace, saved: dict[str, Any], restart: str = "") -> tuple[SimpleNamespace, list[str]]:
+    """The settings a resumed run continues with, and the lines that say where they differ from the block's: the
+    checkpoint's (a setting added since it was written: its default), but where the command line gives one that a
+    resume may change: FREE_ON_RESUME, and EPOCHS upwards on --resume (the run is extended). A value that changes any
+    other setting is refused in one line. `restart`: what made this start a restart, which changes nothing."""
+    merged, taken = {}, []
     for name, value in vars(cfg).items():
         was = saved.get(name, DEFAULTS.get(name, value))
-        if name in FREE_ON_RESUME or was == value:
+        if name not in GIVEN and name not in ("OUTPUT_DIR", "RESUME"):  # where it is, and that it resumes: now's
+            merged[name] = was
+            taken += [f"{name}={was!r}"] if was != value else []
             continue
-        who = f"this start is a restart ({restart})" if restart else "RESUME=True"
-        fix = f"set {name} back to {was!r}" if restart else f"resume with --{name.lower()} {was}"
-        raise UserError(
-            f"{who}: {name}={value!r} differs from the checkpoint's {was!r} in {cfg.OUTPUT_DIR}; "
-            f"{fix}, or start a new run in another --output_dir"
+        extended = name == "EPOCHS" and value > was and not restart
+        if value != was and name not in FREE_ON_RESUME and not extended:
+            who = f"this start is a restart ({restart})" if restart else "RESUME=True"
+            fix = f"set {name} back to {was!r}" if restart else f"resume without --{name.lower()}"
+            raise UserError(
+                f"{who}: {name}={value!r} differs from the checkpoint's {was!r} in {cfg.OUTPUT_DIR}; "
+                f"{fix}, or start a new run in another --output_dir"
+            )
+        merged[name] = value
+    lines = [f"the checkpoint's settings, not the block's: {', '.join(taken)}"] if taken else []
+    if merged["EPOCHS"] > saved["EPOCHS"]:
+        lines.append(
+            f"extended from {saved['EPOCHS']} to {merged['EPOCHS']} epochs: the schedule is recomputed over "
+            f"{merged['EPOCHS']}, so the numbers differ from those of a run started with --epochs {merged['EPOCHS']}"
         )
+    check(SimpleNamespace(**merged))
+    return SimpleNamespace(**merged), lines
 
 
 def _converter(name: str, kind: type) -> Any:

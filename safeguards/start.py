@@ -22,22 +22,23 @@ RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # set by
 _held: list[filelock.BaseFileLock] = []  # rank 0's lock on OUTPUT_DIR, held until the process ends
 
 
-def decide(cfg: SimpleNamespace, saved: dict[str, Any] | None, restart: str | None = None) -> str:
+def decide(cfg: SimpleNamespace, saved: dict[str, Any] | None, restart: str | None = None) -> tuple[str, Any, list]:
     """'new', 'resume' or 'finished', from the settings and the checkpoint a start would continue (None: none), and
-    what makes the start a restart (`restart`; by default this process's restart counts)."""
+    what makes the start a restart (`restart`; by default this process's restart counts); with the settings the run
+    goes on with (a resume's are the checkpoint's: settings.resumed) and the lines that tell how they differ."""
     restart = restarted_by() if restart is None else restart
     if not (cfg.RESUME or restart):
-        return "new"
+        return "new", cfg, []
     if saved is None:
         if cfg.RESUME:
             raise UserError(f"RESUME=True but there is no checkpoint in {cfg.OUTPUT_DIR}; start a new run without it")
-        return "new"  # a restart before the run's first checkpoint starts it again
-    settings.check_resume(saved["config"], cfg, "" if cfg.RESUME else restart)
+        return "new", cfg, []  # a restart before the run's first checkpoint starts it again
+    cfg, lines = settings.resumed(cfg, saved["config"], "" if cfg.RESUME else restart)
     if int(saved["epoch"]) < cfg.EPOCHS:
-        return "resume"
+        return "resume", cfg, lines
     if os.environ.get("RANK", "0") == "0":  # the launcher, or rank 0: said once
         print(f"already finished: all {cfg.EPOCHS} epochs are in {cfg.OUTPUT_DIR}; nothing to do", flush=True)
-    return "finished"
+    return "finished", cfg, []
 
 
 def restarted_by() -> str:
@@ -45,19 +46,19 @@ def restarted_by() -> str:
     return ", ".join(f"{name}={os.environ[name]}" for name in RESTART_COUNTS if os.environ.get(name, "0") != "0")
 
 
-def decide_here(cfg: SimpleNamespace) -> str:
-    """In the launcher, before any rank: the decision on OUTPUT_DIR, which must be writable and no other run's. From
-    now on a failure's line names the epoch whose files are kept."""
+def decide_here(cfg: SimpleNamespace) -> tuple[str, SimpleNamespace]:
+    """In the launcher, before any rank: the decision on OUTPUT_DIR, which must be writable and no other run's, and
+    the settings the run goes on with. From now on a failure's line names the epoch whose files are kept."""
     try:
         os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create OUTPUT_DIR {cfg.OUTPUT_DIR} ({e.strerror}); choose another") from None
     lock(cfg.OUTPUT_DIR, wait_s=0).release()
-    kind = decide(cfg, _read(cfg, restarted_by()))
+    kind, cfg, _ = decide(cfg, _read(cfg, restarted_by()))
     if kind == "new" and (moved := move_aside(cfg.OUTPUT_DIR)):  # from now on a checkpoint there is this run's
         print(f"moved the earlier run's results in {cfg.OUTPUT_DIR} to {moved}", flush=True)
     failures.tell_kept_files(lambda: kept_files(cfg.OUTPUT_DIR))
-    return kind
+    return kind, cfg
 
 
 def lock(output_dir: str, wait_s: float) -> filelock.BaseFileLock:
@@ -73,23 +74,24 @@ def lock(output_dir: str, wait_s: float) -> filelock.BaseFileLock:
     return held
 
 
-def all_ranks_begin(cfg: SimpleNamespace, info: DistInfo) -> tuple[str, dict[str, Any] | None]:
+def all_ranks_begin(cfg: SimpleNamespace, info: DistInfo) -> tuple[str, dict[str, Any] | None, SimpleNamespace]:
     """DDP: every rank. Rank 0 decides on its OUTPUT_DIR's checkpoint and makes OUTPUT_DIR this run's; every rank gets
-    the decision and the checkpoint. A start is a restart if any rank's is one: a machine started again joins."""
+    the decision, the checkpoint and the settings (a resume's are the checkpoint's). A start is a restart if any
+    rank's is one: a machine started again joins."""
     everyone: list[Any] = [None] * info.world_size
     dist.all_gather_object(everyone, restarted_by())  # DDP: what makes each rank's start a restart, if anything
     restart = next((said for said in everyone if said), "")
     shared = [failures.all_ranks_try(lambda: _begin(cfg, restart) if info.is_main else None)]
-    dist.broadcast_object_list(shared, src=0)  # DDP: rank 0's decision and checkpoint, to every rank
+    dist.broadcast_object_list(shared, src=0)  # DDP: rank 0's decision, checkpoint and settings, to every rank
     return shared[0]
 
 
-def _begin(cfg: SimpleNamespace, restart: str) -> tuple[str, dict[str, Any] | None]:
+def _begin(cfg: SimpleNamespace, restart: str) -> tuple[str, dict[str, Any] | None, SimpleNamespace]:
     """Rank 0: the decision. A new run moves earlier results aside; a resumed one rewrites the CSV from its checkpoint
     (rows written after it belong to an epoch that runs again)."""
-    kind = decide(cfg, saved := _read(cfg, restart), restart)
+    kind, cfg, lines = decide(cfg, saved := _read(cfg, restart), restart)
     if kind == "finished":
-        return kind, None
+        return kind, None, cfg
     os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
     _held.append(lock(cfg.OUTPUT_DIR, wait_s=10 if restart else 0))
     for name in glob.glob(os.path.join(glob.escape(cfg.OUTPUT_DIR), "*.tmp*")):  # of a run killed in mid-write
@@ -98,32 +100,35 @@ def _begin(cfg: SimpleNamespace, restart: str) -> tuple[str, dict[str, Any] | No
         print(f"moved the earlier run's results in {cfg.OUTPUT_DIR} to {moved}")
     if kind == "resume":
         files.write_csv(saved["history"], cfg.OUTPUT_DIR)
-        print(f"resuming after epoch {saved['epoch']} of {cfg.EPOCHS}", flush=True)
+        print("\n".join([f"resuming after epoch {saved['epoch']} of {cfg.EPOCHS}", *lines]), flush=True)
     failures.tell_kept_files(lambda: kept_files(cfg.OUTPUT_DIR))
-    return kind, saved if kind == "resume" else None
+    return kind, saved if kind == "resume" else None, cfg
 
 
-def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, identity: str, folder: str) -> list[dict]:
+def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, identity: str, cfg: Any) -> list[dict]:
     """Every rank alike, before anything changes: the checkpoint's data (`identity`) and network are this run's. Loads
-    the weights and optimizer state; returns the rows of the epochs done ([] for a new run), which the loop extends."""
+    the weights and optimizer state; returns the rows of the epochs done ([] for a new run), which the loop extends. A
+    new run with INIT_FROM starts from that checkpoint's tensors whose names and shapes the network has."""
     history: list[dict] = []
+    folder = cfg.OUTPUT_DIR
     if dist.get_rank() != 0:  # rank 0 reads its files; the others know what every rank saw written: the rows before
         done = int(checkpoint["epoch"]) if checkpoint else 0  # the last (its files are being written), or the resumed
         failures.tell_kept_files(lambda: kept_files(folder, known=max(len(history) - 1, done)))
     if checkpoint is None:
+        if cfg.INIT_FROM:
+            failures.all_ranks_try(lambda: init_from(model, cfg.INIT_FROM))  # DDP: a rank that cannot stops them all
         return history
     if checkpoint["data"]["identity"] != identity:
         raise UserError(
             f"the checkpoint in {folder} was trained on other data ({checkpoint['data']['identity']}, now "
             f"{identity}); resume on the same data, or start a new run without --resume"
         )
-    try:
-        model.load_state_dict(checkpoint["model"])
-    except RuntimeError as e:  # its second line names the first difference
+    if differs := compare_weights(model, checkpoint["model"])[1]:
         raise UserError(
-            f"the checkpoint in {folder} is of another network ({str(e).splitlines()[1].strip()[:150]}); resume with "
-            f"the network that wrote it, or start a new run in another --output_dir"
-        ) from None
+            f"the checkpoint in {folder} is of another network ({differs}); resume with the network that wrote it, "
+            f"or start a new run in another --output_dir"
+        )
+    model.load_state_dict(checkpoint["model"])
     for group, current in zip(checkpoint["optimizer"]["param_groups"], optimizer.param_groups, strict=True):
         group.update(fused=current.get("fused"), foreach=current.get("foreach"))  # this machine's kernels
     optimizer.load_state_dict(checkpoint["optimizer"])
@@ -131,9 +136,45 @@ def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, ide
     return history
 
 
+def compare_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> tuple[dict, str]:
+    """The tensors of `weights` whose names and shapes the model has, and what differs ('' for the same network)."""
+    own = model.state_dict()
+    fits = {name: tensor for name, tensor in weights.items() if name in own and own[name].shape == tensor.shape}
+    unmatched, unknown = [name for name in own if name not in fits], [name for name in weights if name not in fits]
+    if not (unmatched or unknown):
+        return fits, ""
+    first = f"first {unmatched[0]} {list(own[unmatched[0]].shape)}" if unmatched else "none"
+    return fits, f"{len(unmatched)} of make_model's {len(own)} tensors not in it by name and shape ({first})" + (
+        f", {len(unknown)} of its {len(weights)} unknown (first {unknown[0]} {list(weights[unknown[0]].shape)})"
+        if unknown
+        else ""
+    )
+
+
+def init_from(model: torch.nn.Module, path: str) -> None:
+    """Fine-tuning: the tensors of another run's checkpoint whose names and shapes the network has; the rest (a new
+    head for other classes, say) stay as built. Refused in one line when none fits."""
+    try:
+        weights = torch.load(path, map_location="cpu", weights_only=True)["model"]
+    except Exception as e:
+        raise UserError(
+            f"cannot read INIT_FROM {path} ({failures.first_line(e, 80)}); give a run's checkpoint.pt"
+        ) from None
+    fits, differs = compare_weights(model, weights)
+    if not fits:
+        raise UserError(f"INIT_FROM {path} holds no tensor of this network ({differs}); give a similar network's")
+    model.load_state_dict(fits, strict=False)
+    if dist.get_rank() == 0:
+        left = [name for name in model.state_dict() if name not in fits]
+        kept = f"; left as built (no tensor of that name and shape): {', '.join(left)}" if left else ""
+        print(f"fine-tuning from {path}: {len(fits)} of {len(model.state_dict())} tensors loaded{kept}", flush=True)
+
+
 def move_aside(output_dir: str) -> str | None:
-    """A new run never overwrites an earlier one: its files move to OUTPUT_DIR/previous-<time>/."""
-    found = [name for name in files.RESULT_FILES if os.path.exists(os.path.join(output_dir, name))]
+    """A new run never overwrites an earlier one: its files (TensorBoard's too) move to OUTPUT_DIR/previous-<time>/."""
+    found = [
+        name for name in os.listdir(output_dir) if name in files.RESULT_FILES or name.startswith(files.EVENTS_PREFIX)
+    ]
     if not found:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(os.path.join(output_dir, found[0]))))
@@ -145,17 +186,16 @@ def move_aside(output_dir: str) -> str | None:
 
 def kept_files(output_dir: str, known: int | None = None) -> str:
     """What a stopped or failed run leaves to continue from, once its files are finished. `known`: a rank other than 0
-    names the last epoch whose files every rank knows written, on rank 0's machine."""
+    names the last epoch whose files every rank knows written, on rank 0's machine (0: none known there yet)."""
     epoch = files.checkpoint_epoch(output_dir) if known is None else known
-    if not epoch and known is not None:
-        return "no epoch's files were known written: see global rank 0's line"
-    if not epoch:
+    if not epoch and known is None:
         return failures.NOTHING_KEPT
     where = f"in {output_dir}" + (" on the node of global rank 0" if known is not None else "")
+    kept = f"the files {where} are from epoch {epoch}" if epoch else f"the files are {where} (no epoch known here)"
     if under_torchrun() and not os.environ.get(failures.LAUNCHER_PID):
         how = "continue with the same command on every node and --resume True (torchrun's restarts and a SLURM requeue"
-        return f"the files {where} are from epoch {epoch}; {how} do so by themselves)"
-    return f"the files {where} are from epoch {epoch}: continue with --resume True"
+        return f"{kept}; {how} do so by themselves)"
+    return f"{kept}: continue with --resume True"
 
 
 def _read(cfg: SimpleNamespace, restart: str) -> dict[str, Any] | None:

@@ -72,6 +72,11 @@ def clean_env(**extra: str) -> dict:
     return env
 
 
+def python_path() -> str:
+    """The project's folder ahead of the user's own PYTHONPATH (a package of theirs that make_model imports, say)."""
+    return os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 # ----------------------------------------------------------------------------- runs forked from the test server
 
 
@@ -82,7 +87,7 @@ class Server:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.server"],
             cwd=ROOT,
-            env=clean_env(PYTHONPATH=str(ROOT)),
+            env=clean_env(PYTHONPATH=python_path()),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -374,9 +379,10 @@ def image_folder_of_noise(root: Path, train: int, test: int, size: int = 32, see
 @pytest.fixture(scope="session")
 def tiny_stream(tmp_path_factory) -> list[str]:
     """TINY's counterpart for image folders (the stream loader): half as many images, 16x16, read from PNG files by
-    one worker per rank, and one entry of each kind that the reader skips."""
+    one worker per rank, and one entry of each kind that the reader skips (their line would name them)."""
     root = tmp_path_factory.mktemp("stream") / "images"
     image_folder_of_noise(root, train=300, test=60, size=16)
     (root / "train" / "a" / "notes.txt").write_text("not an image")
+    (root / "train" / "a" / "._0000.png").write_bytes(b"\x00\x05\x16\x07")  # macOS's resource fork beside an image
     (root / "train" / "b" / "more").mkdir()
-    return [*TINY, "--dataset=imagefolder", f"--data_dir={root}", "--image_size=16", "--num_workers=1"]
+    return [*TINY, "--dataset=imagefolder", f"--data_dir={root}", "--image_size=16", "--num_workers=0"]

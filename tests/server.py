@@ -57,6 +57,7 @@ def run_child(request: dict) -> None:
     if request.get("file_size_limit"):  # ulimit -f
         resource.setrlimit(resource.RLIMIT_FSIZE, (request["file_size_limit"],) * 2)
     tests.hooked_run.install_hooks()
+    sys.modules["__main__"] = train_distribute  # as in `python train_distribute.py`: what worker processes import
     code = 1
     try:
         if "call" in request:  # "module:function", called with the arguments; returns the exit code
@@ -72,6 +73,9 @@ def run_child(request: dict) -> None:
             code = 0
         else:
             sys.argv = ["train_distribute.py", *request["argv"]]
+            sys.modules["__main__"] = (
+                train_distribute  # as in `python train_distribute.py`: what worker processes import
+            )
             ranks = sys.executable if request.get("ranks_as_interpreters") else train_distribute.main
             code = train_distribute.main(request["argv"], entrypoint=ranks)
     except SystemExit as error:

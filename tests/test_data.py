@@ -206,10 +206,12 @@ def test_batches_are_normalised_float_in_channels_last():
 # ----------------------------------------------------------------------------- image folders
 
 
-def test_list_folder_finds_classes_sorted_and_skips_hidden_folders_and_other_files(tmp_path):
+def test_list_folder_finds_classes_sorted_and_skips_hidden_folders_and_files_and_other_files(tmp_path):
     small_folder(tmp_path, classes=("dog", "ant", "cat"), images=1)
     write_png(tmp_path / "train" / "cat" / "more" / "nested.png", np.zeros((8, 8, 3), np.uint8))
     write_png(tmp_path / "train" / ".ipynb_checkpoints" / "x.png", np.zeros((8, 8, 3), np.uint8))
+    write_png(tmp_path / "train" / "cat" / ".thumbnails" / "0.png", np.zeros((8, 8, 3), np.uint8))
+    (tmp_path / "train" / "dog" / "._0.png").write_bytes(b"\x00\x05\x16\x07 macOS's resource fork")
     (tmp_path / "train" / "dog" / "notes.txt").write_text("not an image")
     classes, samples = data.list_folder(str(tmp_path), "train")
     assert classes == ["ant", "cat", "dog"]
@@ -245,8 +247,19 @@ def test_an_image_folder_mistake_is_one_line_naming_the_fix(tmp_path, layout, sp
 def test_train_and_test_with_other_classes_are_refused(tmp_path):
     small_folder(tmp_path, images=1)
     write_png(tmp_path / "train" / "emu" / "0.png", np.zeros((8, 8, 3), np.uint8))
+    write_png(tmp_path / "test" / "yak" / "0.png", np.zeros((8, 8, 3), np.uint8))
     message = one_line_error(lambda: data.prepare(folder_config(tmp_path)))
-    assert message == f"{tmp_path}/train and test/ hold different class folders; give both the same classes"
+    assert message == (
+        f"{tmp_path}/train and test/ hold other classes (only in train/: emu; only in test/: yak); give both the "
+        "same folders"
+    )
+
+
+def test_a_link_to_nothing_among_the_images_is_one_line_naming_it(tmp_path):
+    small_folder(tmp_path, images=1)
+    (tmp_path / "train" / "cat" / "gone.png").symlink_to(tmp_path / "elsewhere.png")
+    message = one_line_error(lambda: data.prepare(folder_config(tmp_path)))
+    assert message == f"{tmp_path}/train/cat/gone.png is a link to nothing; remove it or put back what it points to"
 
 
 def test_the_folder_identity_changes_with_a_file(tmp_path):

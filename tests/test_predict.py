@@ -32,7 +32,13 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     for split in ("train", "test"):
         for old, new in CLASSES.items():
             (tmp / "images" / split / old).rename(tmp / "images" / split / new)
-    settings = ["--dataset=imagefolder", f"--data_dir={tmp / 'images'}", "--image_size=16", "--epochs=6"]
+    settings = [
+        "--dataset=imagefolder",
+        f"--data_dir={tmp / 'images'}",
+        "--image_size=16",
+        "--epochs=6",
+        "--num_workers=0",
+    ]
     result = run_script(*TINY, *settings, f"--output_dir={tmp / 'out'}")
     assert result.returncode == 0, result.stderr
     return tmp / "out", tmp / "images" / "test"

@@ -167,45 +167,81 @@ def test_a_copy_of_the_file_with_good_values_reads_its_own_defaults(tmp_path, mo
 # ----------------------------------------------------------------------------- the resume rule
 
 
-def test_resume_compares_every_setting_but_the_free_ones():
-    cfg = read_config([])
-    saved = dict(vars(cfg))
-    settings.check_resume(saved, cfg)
-    for name in SETTINGS:
-        changed = {**saved, name: another_value(name)}
-        if name in settings.FREE_ON_RESUME:  # where files are, how it is launched, how it is evaluated
-            settings.check_resume(changed, cfg)
+def resumed(argv: list[str], saved: dict, restart: str = "") -> tuple[SimpleNamespace, list[str]]:
+    return settings.resumed(read_config(argv), saved, restart)
+
+
+def test_a_resume_goes_on_with_the_checkpoints_settings_whatever_the_block_says_now():
+    """`--output_dir X --resume True` alone: every setting the checkpoint's, where it is and that it resumes now's."""
+    saved = {name: another_value(name) for name in SETTINGS} | {"BATCH_SIZE": 64, "WORLD_SIZE": 2}
+    cfg, said = resumed(["--output_dir=/runs/a", "--resume"], saved)
+    assert vars(cfg) == saved | {"OUTPUT_DIR": "/runs/a", "RESUME": True}
+    taken = sorted(set(SETTINGS) - {"OUTPUT_DIR", "RESUME"})
+    assert said == [
+        f"the checkpoint's settings, not the block's: {', '.join(f'{n}={saved[n]!r}' for n in SETTINGS if n in taken)}"
+    ]
+
+
+def test_the_command_line_changes_on_resume_only_what_a_resume_may_change():
+    """FREE_ON_RESUME, and EPOCHS upwards; a value that changes any other setting is refused in one line, and one
+    that repeats the checkpoint's is accepted (restarts repeat the full command)."""
+    saved = vars(read_config(["--epochs=5"]))
+    for name in sorted(set(SETTINGS) - {"RESUME"}):
+        value = another_value(name)
+        argv = [f"--{name.lower()}={value}", "--resume"]
+        if name in settings.FREE_ON_RESUME or name == "EPOCHS":
+            assert getattr(resumed(argv, saved)[0], name) == value, name
         else:
-            with pytest.raises(UserError, match=f"RESUME=True: {name}=.* differs from the checkpoint's"):
-                settings.check_resume(changed, cfg)
+            with pytest.raises(UserError, match=f"^RESUME=True: {name}=.* differs from the checkpoint's .*; resume wi"):
+                resumed(argv, saved)
+        assert getattr(resumed([f"--{name.lower()}={saved[name]}", "--resume"], saved)[0], name) == saved[name]
+
+
+def test_epochs_grow_on_resume_only_and_the_first_lines_say_so():
+    saved = vars(read_config(["--epochs=5"]))
+    cfg, said = resumed(["--epochs=8", "--resume"], saved)
+    assert cfg.EPOCHS == 8 and said == [
+        "extended from 5 to 8 epochs: the schedule is recomputed over 8, so the numbers differ from those of a run "
+        "started with --epochs 8"
+    ]
+    with pytest.raises(
+        UserError, match="^RESUME=True: EPOCHS=3 differs from the checkpoint's 5 in ./output; resume wi"
+    ):
+        resumed(["--epochs=3", "--resume"], saved)
+    with pytest.raises(UserError, match=f"^this start is a restart \\({RESTART}\\): EPOCHS=8 differs"):
+        resumed(["--epochs=8"], saved, restart=RESTART)  # a restart repeats its command: it changes nothing
 
 
 def test_a_setting_added_after_the_checkpoint_resumes_at_its_default():
     """A checkpoint written before a setting existed: the default continues it; another value is refused in a line
-    whose fix, followed on the command line, resumes."""
-    now, fixes = vars(read_config([])), []
-    for added in sorted(set(SETTINGS) - settings.FREE_ON_RESUME):
+    that names the fix."""
+    now = vars(read_config([]))
+    for added in sorted(set(SETTINGS) - settings.FREE_ON_RESUME - {"EPOCHS"}):
         older = {name: value for name, value in now.items() if name != added}
-        settings.check_resume(older, SimpleNamespace(**now))
+        assert vars(resumed([], older)[0]) == now
         with pytest.raises(UserError) as refusal:
-            settings.check_resume(older, SimpleNamespace(**{**now, added: another_value(added)}))
+            resumed([f"--{added.lower()}={another_value(added)}"], older)
+        assert f"; resume without --{added.lower()}, or start a new run" in str(refusal.value)
         assert "\n" not in str(refusal.value)
-        option, value = str(refusal.value).split("resume with ")[1].split(", or")[0].split(" ", 1)
-        assert option == f"--{added.lower()}"
-        fixes += [option, value]
-    assert vars(read_config(fixes)) == now  # every fix given on the command line: each setting back at its default
 
 
 def test_a_changed_setting_in_a_restart_says_how_to_continue_the_job():
-    saved = vars(read_config(["--epochs=5", "--output_dir=/runs/a"]))
+    saved = vars(read_config(["--lr=0.5", "--output_dir=/runs/a"]))
     with pytest.raises(UserError) as refusal:
-        settings.check_resume(saved, read_config(["--epochs=8", "--output_dir=/runs/a"]), restart=RESTART)
+        resumed(["--lr=0.25", "--output_dir=/runs/a"], saved, restart=RESTART)
     message = str(refusal.value)
     assert message.startswith(
-        f"this start is a restart ({RESTART}): EPOCHS=8 differs from the checkpoint's 5 in /runs/a"
+        f"this start is a restart ({RESTART}): LR=0.25 differs from the checkpoint's 0.5 in /runs/a"
     )
-    assert "; set EPOCHS back to 5" in message
+    assert "; set LR back to 0.5" in message
     assert "another --output_dir" in message and "--resume" not in message and "\n" not in message
+
+
+def test_the_batch_must_split_evenly_over_ranks_and_micro_batches():
+    assert settings.check(read_config(["--batch_size=48", "--world_size=2", "--accumulate=3"])) == 2
+    with pytest.raises(UserError) as refusal:
+        settings.check(read_config(["--batch_size=48", "--world_size=2", "--accumulate=5"]))
+    assert str(refusal.value) == "BATCH_SIZE=48 does not split evenly over 2 ranks x 5 micro-batches; use a multiple"
 
 
 # ----------------------------------------------------------------------------- the learning rate
