@@ -10,11 +10,14 @@ import hashlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import select
 import signal
 import socket
 import sys
+import threading
 import warnings
 from contextlib import nullcontext
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from distribute_tools import DistInfo
-from safeguards.failures import KEPT, STOP_SIGNALS, UserError, first_line, guard_parent, ignore_stop_signals
+from safeguards.failures import KEPT, STOP_SIGNALS, UserError, first_line, ignore_stop_signals
 
 # CIFAR-10's published statistics, 0..1 units (generated images are made alike: mean 0.5, std about 0.25)
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -205,7 +208,10 @@ def reader(files: ImageFiles, batch_size: int, sampler: Any, workers: int, pin: 
     hold the rank's open files, OUTPUT_DIR's lock among them."""
     parallel: dict[str, Any] = {}
     if workers:
-        parallel = {"multiprocessing_context": forkserver_context(), "worker_init_fn": quiet_worker}
+        parallel = {
+            "multiprocessing_context": forkserver_context(),
+            "worker_init_fn": partial(quiet_worker, rank=os.getpid()),
+        }
         parallel |= {"prefetch_factor": 4, "persistent_workers": True}
     return DataLoader(files, batch_size, sampler=sampler, num_workers=workers, pin_memory=pin, **parallel, **options)
 
@@ -223,13 +229,16 @@ def forkserver_context() -> Any:
     return context
 
 
-def quiet_worker(worker_id: int) -> None:
-    """A worker leaves stopping to its rank, and dies with it: with its fork server (SIGKILL when that ends, which it
-    does when the rank ends), or at once if the rank has already gone."""
+def quiet_worker(worker_id: int, rank: int) -> None:
+    """A worker leaves stopping to its rank, and ends with it: a thread waits for the rank's end (Linux's pidfd) and
+    ends the worker then, at once if the rank is already gone. (Its parent is the fork server, which in turn ends
+    once the rank and its workers have.)"""
     ignore_stop_signals()
-    guard_parent(None)
-    if not multiprocessing.parent_process().is_alive():
+    try:
+        rank_ended = os.pidfd_open(rank)
+    except ProcessLookupError:
         os._exit(0)
+    threading.Thread(target=lambda: select.select([rank_ended], [], []) and os._exit(0), daemon=True).start()
 
 
 # ----------------------------------------------------------------------------- the loaders

@@ -51,6 +51,14 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
 
 
+def world_size(requested: int) -> int:
+    """The number of ranks: torchrun's, when it started this process; else `requested` (WORLD_SIZE), 0 meaning one
+    per GPU (2 processes on a machine without GPUs)."""
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return requested or (torch.cuda.device_count() if torch.cuda.is_available() else 0) or 2
+
+
 def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args: Any) -> None:
     """Run `entrypoint` (a program such as sys.executable, or a function) with `args` in `world_size` rank processes on
     this machine through torch's elastic agent, torchrun's engine. Raises ChildFailedError when a rank fails (the agent

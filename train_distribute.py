@@ -124,13 +124,13 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
 def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     """The epochs: train, evaluate, report; rank 0 hands each epoch's files to a background writer."""
     cfg, info, started = run.cfg, run.info, time.perf_counter()
+    if info.is_main:  # DDP: rank 0 alone prints and writes files
+        print(files.describe(run.model, cfg, info, run.data, run.train_data.steps_per_epoch(cfg.BATCH_SIZE), run.bf16))
     # a resumed run: the checkpoint's weights, optimizer state and rows, once its data and network are checked; a new
     # one with INIT_FROM (fine-tuning): that run's weights where their names and shapes are the network's
     history = start.restore(checkpoint, run.model, run.optimizer, run.data["identity"], cfg)
-    # DDP: rank 0 alone writes files (and TensorBoard's, which a resume continues from its first epoch)
+    # the files of each epoch (and TensorBoard's, which a resume continues from its first epoch), in the background
     writer = files.ResultWriter(cfg.OUTPUT_DIR, cfg.TENSORBOARD, len(history) + 1) if info.is_main else None
-    if writer:
-        print(files.describe(run.model, cfg, info, run.data, run.train_data.steps_per_epoch(cfg.BATCH_SIZE), run.bf16))
     earlier_seconds = history[-1]["elapsed_seconds"] if history else 0.0  # a resumed run's clock goes on
     try:
         for epoch in range(len(history) + 1, cfg.EPOCHS + 1):
@@ -268,19 +268,20 @@ def main(argv: list[str], entrypoint: Callable | str = sys.executable) -> int:
     """`python train_distribute.py`: check the settings, get the data once, start the ranks; the run's exit code. A
     rank (started by torchrun, or by this launcher through torch's elastic agent) runs main_worker."""
     if distribute_tools.under_torchrun():
-        return failures.run_rank(lambda: main_worker(settings.read_and_check(sys.modules[__name__], argv)[0]))
+        return failures.run_rank(lambda: main_worker(settings.read_and_check(sys.modules[__name__], argv)))
     return failures.run_launcher(lambda: launch(argv, entrypoint))
 
 
 def launch(argv: list[str], entrypoint: Callable | str) -> None:
     """The launcher: the checks, the start rule on this machine's OUTPUT_DIR, the data made ready once, the ranks."""
-    cfg, _ = settings.read_and_check(sys.modules[__name__], argv)
+    cfg = settings.read_and_check(sys.modules[__name__], argv)
     kind, cfg = start.decide_here(cfg)  # a resume goes on with the checkpoint's settings
     if kind == "finished":  # a resume of a complete run has nothing to do
         return
     data.prepare(cfg)  # download CIFAR-10 once, for every rank
     args = ("-u", __file__, *argv) if isinstance(entrypoint, str) else (argv,)  # a program, or a function of argv
-    distribute_tools.run_distribute(entrypoint, settings.check(cfg), *args)  # DDP: a process per rank
+    world_size = distribute_tools.world_size(cfg.WORLD_SIZE)  # 0: one per GPU, or 2 on a machine without GPUs
+    distribute_tools.run_distribute(entrypoint, world_size, *args)  # DDP: a process per rank
 
 
 if __name__ == "__main__":

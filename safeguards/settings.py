@@ -6,13 +6,10 @@ that needs no rank, each one line naming the fix."""
 import argparse
 import importlib.util
 import math
-import os
 import re
 import typing
 from types import ModuleType, SimpleNamespace
 from typing import Any
-
-import torch
 
 import distribute_tools
 from safeguards.failures import UserError
@@ -59,19 +56,18 @@ def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
     return cfg
 
 
-def read_and_check(script: ModuleType, argv: list[str]) -> tuple[SimpleNamespace, int]:
-    """The script's settings and the world size, and every check that needs no rank, before anything starts (in the
-    launcher; under torchrun in every rank before it joins the group)."""
+def read_and_check(script: ModuleType, argv: list[str]) -> SimpleNamespace:
+    """The script's settings, once they pass every check that needs no rank, before anything starts (in the launcher;
+    under torchrun in every rank before it joins the group)."""
     cfg = read(script, argv)
-    return cfg, check(cfg)
+    check(cfg)
+    return cfg
 
 
-def check(cfg: SimpleNamespace) -> int:
-    """The world size, once the settings pass every check that needs no rank (a resume's again, with the checkpoint's
-    settings). Ranks that would share a GPU are refused where each chooses its device (distribute_tools.setup)."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # the first line names the device in use
-    # torchrun's world size when it started this process; else WORLD_SIZE, 0 meaning every GPU (or 2 CPU processes)
-    world_size = int(os.environ["WORLD_SIZE"]) if distribute_tools.under_torchrun() else cfg.WORLD_SIZE or gpus or 2
+def check(cfg: SimpleNamespace) -> None:
+    """The checks that need no rank (a resume's settings pass them again). Ranks that would share a GPU are refused
+    where each chooses its device (distribute_tools.setup)."""
+    world_size = distribute_tools.world_size(cfg.WORLD_SIZE)
     if cfg.BATCH_SIZE % (world_size * cfg.ACCUMULATE):
         split = f"{world_size} ranks x {cfg.ACCUMULATE} micro-batches" if cfg.ACCUMULATE > 1 else f"{world_size} ranks"
         raise UserError(f"BATCH_SIZE={cfg.BATCH_SIZE} does not split evenly over {split}; use a multiple")
@@ -79,7 +75,6 @@ def check(cfg: SimpleNamespace) -> int:
         raise UserError(f"IMAGE_SIZE={cfg.IMAGE_SIZE} but CIFAR-10's images are 32x32; use --image_size 32")
     if cfg.TENSORBOARD and importlib.util.find_spec("tensorboard") is None:
         raise UserError("TENSORBOARD=True needs the tensorboard package: pip install tensorboard, or leave it False")
-    return world_size
 
 
 def resumed(cfg: SimpleNamespace, saved: dict[str, Any], restart: str = "") -> tuple[SimpleNamespace, list[str]]:

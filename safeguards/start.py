@@ -172,9 +172,9 @@ def init_from(model: torch.nn.Module, path: str) -> None:
 
 def move_aside(output_dir: str) -> str | None:
     """A new run never overwrites an earlier one: its files (TensorBoard's too) move to OUTPUT_DIR/previous-<time>/."""
-    found = [
-        name for name in os.listdir(output_dir) if name in files.RESULT_FILES or name.startswith(files.EVENTS_PREFIX)
-    ]
+    names = os.listdir(output_dir)  # the CSV first: its time names the folder
+    found = [name for name in files.RESULT_FILES if name in names]
+    found += sorted(name for name in names if name.startswith(files.EVENTS_PREFIX))
     if not found:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(os.path.join(output_dir, found[0]))))

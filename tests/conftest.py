@@ -166,15 +166,17 @@ def launch(
     file_size_limit: int = 0,
     merge_output: bool = False,
     output: str | None = None,
+    stdout_to: str | None = None,
     ignore_sigint: bool = False,
     cpus: list[int] | None = None,
     ranks_as_interpreters: bool = False,
 ) -> Launched:
     """`python train_distribute.py *args` (or call="module:function" with args, or `python -m module *args`, or
     `python script *args`), forked from the test server, in a session of its own, so that a test can signal or
-    kill all of it. Its ranks are forked from it, or with ranks_as_interpreters new interpreters, as a user's are."""
+    kill all of it. Its ranks are forked from it, or with ranks_as_interpreters new interpreters, as a user's are.
+    `output`: stdout and stderr into this file (a terminal's, say); `stdout_to`: stdout alone (a pipe, say)."""
     folder = tempfile.mkdtemp(prefix="run-")
-    stdout = output or os.path.join(folder, "stdout")
+    stdout = output or stdout_to or os.path.join(folder, "stdout")
     request = {
         "argv": list(args),
         "env": env or clean_env(),

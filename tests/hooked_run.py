@@ -8,6 +8,7 @@ environment asks, and ranks forked from the launcher inherit them):
     TEST_RANK_1_BUG=1                     rank 1 raises RuntimeError as it builds its run, before training
     TEST_DROPOUT=0.3                      make_model's network gets dropout on its input: randomness in forward
     TEST_OWN_NETWORK=8                    the template's own ResNet of this width, whatever make_model returns now
+    TEST_PROGRESS_SECONDS=0               an epoch's progress line in a log file this often (a minute otherwise)
 """
 
 import errno
@@ -56,6 +57,8 @@ def install_hooks() -> None:
             Path(os.environ["TEST_PIDS"], f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
         main_worker(cfg)
 
+    if os.environ.get("TEST_PROGRESS_SECONDS"):
+        files.PROGRESS_EVERY = float(os.environ["TEST_PROGRESS_SECONDS"])
     files.ResultWriter._write = hooked_write
     train_distribute.build_run = hooked_build_run
     train_distribute.make_model = hooked_make_model

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
-from safeguards import files, start
+from safeguards import failures, files, start
 from safeguards.failures import UserError
 from tests.conftest import read_config
 
@@ -329,6 +329,17 @@ def test_the_start_rule(first_start, env, resume, saved, kind):
     for name, value in env.items():
         first_start.setenv(name, value)
     assert start.decide(read_config([*RUN, f"--resume={resume}"]), saved)[0] == kind
+
+
+def test_a_node_whose_ranks_know_no_written_epoch_still_says_the_way_on(monkeypatch):
+    """Under torchrun without our launcher, a rank other than 0 that saw no epoch written (stopped in epoch 1 or 2)."""
+    monkeypatch.delenv(failures.LAUNCHER_PID, raising=False)
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    assert start.kept_files("/runs/a", known=0) == (
+        "the files are in /runs/a on the node of global rank 0 (no epoch known here); continue with the same command "
+        "on every node and --resume True (torchrun's restarts and a SLURM requeue do so by themselves)"
+    )
 
 
 def test_resume_without_a_checkpoint_is_refused_in_one_line(first_start, tmp_path):

@@ -2,11 +2,15 @@
 line, within seconds, and no rank left behind. Runs forked from the test server, and the same ends in new
 interpreters, as a user's run is."""
 
+import fcntl
 import os
+import re
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import time
 from pathlib import Path
 
@@ -14,6 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
+import train_distribute
 from safeguards import failures
 from tests.conftest import (
     HANG_TIMEOUT,
@@ -76,6 +81,7 @@ def test_a_finished_run_in_a_new_interpreter_exits_0_and_prints_only_its_lines()
     [
         ("--epochs=0", "EPOCHS=0 on the command line is out of range"),
         ("--batch_size=47", "does not split evenly over 2 ranks"),
+        ("--accumulate=5", "BATCH_SIZE=48 does not split evenly over 2 ranks x 5 micro-batches; use a multiple"),
         ("--optimiser=sgd", "unknown setting --optimiser; write settings as --name value"),
         ("--lr=fast", "--lr=fast is not a number"),
         ("--world_size=-1", "WORLD_SIZE=-1 on the command line is out of range: it must be at least 0"),
@@ -104,6 +110,53 @@ def test_a_mistake_the_ranks_find_is_one_line_from_the_launcher(tmp_path):
     out, err = run.communicate(timeout=HANG_TIMEOUT)
     assert run.returncode == 2 and len(lines(err)) == 1, err
     assert err == "error: 40 training images, fewer than BATCH_SIZE=48; lower it\n", err
+
+
+def without_tensorboard(*argv: str) -> int:
+    """Called in a process forked from the test server: `python train_distribute.py *argv` where the tensorboard
+    package cannot be imported, in the launcher and in its ranks (forked from it)."""
+    sys.modules["tensorboard"] = None  # what an import finds: no such package
+    return train_distribute.main(list(argv), entrypoint=train_distribute.main)
+
+
+def test_tensorboard_is_needed_only_when_asked_for_and_then_its_absence_is_one_line(tmp_path):
+    asked = call("tests.test_launch:without_tensorboard", *TINY, "--tensorboard", f"--output_dir={tmp_path / 'a'}")
+    assert asked.returncode == 2 and asked.stdout == "", asked.stdout
+    assert (
+        asked.stderr
+        == "error: TENSORBOARD=True needs the tensorboard package: pip install tensorboard, or leave it False\n"
+    )
+    plain = call("tests.test_launch:without_tensorboard", *TINY, "--epochs=1", f"--output_dir={tmp_path / 'b'}")
+    assert plain.returncode == 0 and csv_rows(tmp_path / "b") == 1, plain.stderr
+
+
+def test_an_epoch_shows_its_progress_as_a_bar_on_a_terminal_and_as_lines_in_a_log(tmp_path):
+    """On a terminal (rank 0's stderr): tqdm's bar with the rate and the time left, gone at the epoch's end. In a
+    log file: a line now and then (a minute apart; here, with TEST_PROGRESS_SECONDS=0, after every step)."""
+    controller, terminal = os.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a window of 120 columns
+    on_terminal = launch(*TINY, "--epochs=2", f"--output_dir={tmp_path / 'tty'}", output=os.ttyname(terminal))
+    os.close(terminal)
+    in_a_log = launch(*TINY, "--epochs=2", f"--output_dir={tmp_path / 'log'}", env=clean_env(TEST_PROGRESS_SECONDS="0"))
+    shown = b""
+    while chunk := read_or_nothing(controller):
+        shown += chunk
+    os.close(controller)
+    assert on_terminal.wait(HANG_TIMEOUT) == 0, shown
+    screen = shown.decode(errors="replace")
+    assert re.search(r"epoch 1/2: +\d+%\|.*\| [\d.]+k?/576 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+k?img/s\]", screen), screen
+    log, err = in_a_log.communicate(timeout=HANG_TIMEOUT)
+    steps = re.findall(r"^epoch 2/2: (\d+) of 12 steps, [\d,]+ img/s, [\d.]+ min left$", log, re.MULTILINE)
+    assert in_a_log.returncode == 0 and steps == [str(step) for step in range(1, 13)], log
+    assert "\r" not in log and "%|" not in log + err  # no bar in a file
+
+
+def read_or_nothing(controller: int) -> bytes:
+    """What the terminal shows next; b"" once no process holds it any more."""
+    try:
+        return os.read(controller, 4096)
+    except OSError:  # EIO: every process that had it open has ended
+        return b""
 
 
 def test_sigterm_to_the_launcher_exits_75_with_the_epochs_files_whole(tmp_path):

@@ -2,6 +2,7 @@
 over the settings, and the learning-rate schedule. In-process: no ranks."""
 
 import importlib.util
+import os
 import re
 import typing
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import pytest
 import train_distribute as td
 from safeguards import settings
 from safeguards.failures import UserError
-from tests.conftest import SCRIPT, SETTINGS, read_config
+from tests.conftest import ROOT, SCRIPT, SETTINGS, python_path, read_config
 
 RESTART = "TORCHELASTIC_RESTART_COUNT=1"
 
@@ -164,6 +165,22 @@ def test_a_copy_of_the_file_with_good_values_reads_its_own_defaults(tmp_path, mo
     assert settings.read(script, []).EPOCHS == 7 and settings.read(script, ["--epochs=2"]).EPOCHS == 2
 
 
+def test_every_setting_is_read_somewhere_besides_the_settings_module():
+    """A setting that nothing reads would take any value in silence (`--loader memory` streamed)."""
+    sources = [
+        p for p in SCRIPT.parent.rglob("*.py") if p.parts[len(SCRIPT.parent.parts)] not in ("tests", "benchmarks")
+    ]
+    code = "\n".join(p.read_text() for p in sources if p.name != "settings.py")
+    unread = [name for name in SETTINGS if not re.search(rf"\.{name}\b", code)]
+    assert unread == [], f"read nowhere but by safeguards/settings.py: {unread}"
+
+
+def test_the_suites_runs_keep_the_users_pythonpath_behind_the_project(monkeypatch):
+    """A package of the user's on PYTHONPATH (timm for make_model, say) stays importable in the suite's runs."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/opt/theirs", "/opt/more"]))
+    assert python_path().split(os.pathsep) == [str(ROOT), "/opt/theirs", "/opt/more"]
+
+
 # ----------------------------------------------------------------------------- the resume rule
 
 
@@ -238,7 +255,7 @@ def test_a_changed_setting_in_a_restart_says_how_to_continue_the_job():
 
 
 def test_the_batch_must_split_evenly_over_ranks_and_micro_batches():
-    assert settings.check(read_config(["--batch_size=48", "--world_size=2", "--accumulate=3"])) == 2
+    settings.check(read_config(["--batch_size=48", "--world_size=2", "--accumulate=3"]))
     with pytest.raises(UserError) as refusal:
         settings.check(read_config(["--batch_size=48", "--world_size=2", "--accumulate=5"]))
     assert str(refusal.value) == "BATCH_SIZE=48 does not split evenly over 2 ranks x 5 micro-batches; use a multiple"

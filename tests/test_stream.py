@@ -3,7 +3,9 @@ the files as training goes), in real rank processes: the order the ranks draw, f
 that stops decoding mid-run."""
 
 import json
+import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -18,7 +20,17 @@ import data
 import distribute_tools
 import train_distribute
 from safeguards import settings
-from tests.conftest import HANG_TIMEOUT, call, clean_env, csv_rows, launch, wait_for_rows
+from tests.conftest import (
+    HANG_TIMEOUT,
+    alive,
+    call,
+    children_of,
+    clean_env,
+    csv_rows,
+    launch,
+    recorded_ranks,
+    wait_for_rows,
+)
 
 
 def lines(text: str) -> list[str]:
@@ -114,6 +126,54 @@ def test_own_image_folders_of_any_size_train(tiny_stream, tmp_path, size, worker
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert checkpoint["data"]["image_size"] == size and f"of {size}x{size}" in checkpoint["data"]["identity"]
     assert checkpoint["data"]["classes"] == ["a", "b"]
+
+
+# ----------------------------------------------------------------------------- the worker processes
+
+
+def holders_of(path: Path) -> set[int]:
+    """The processes that have `path` open (Linux /proc): who holds an OS lock on it."""
+    found = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) == str(path):
+                found.add(int(fd.parent.parent.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_workers_come_from_a_fork_server_hold_no_lock_and_end_with_their_rank(tiny_stream, tmp_path):
+    """Each rank's decoding workers (one for training, one for evaluation) are forked by a fork server, a new
+    interpreter, never by the rank; only rank 0 holds OUTPUT_DIR's lock; and SIGKILL to rank 0 leaves no process of
+    the run behind."""
+    folder, pids = tmp_path / "out", tmp_path / "pids"
+    pids.mkdir()
+    run = launch(
+        *tiny_stream, "--num_workers=1", "--epochs=30", f"--output_dir={folder}", env=clean_env(TEST_PIDS=str(pids))
+    )
+    wait_for_rows(folder, 1, run)  # an evaluation has run: both readers' workers exist
+    ranks = recorded_ranks(pids)
+    below = {rank: children_of(rank) for rank in ranks}
+    for rank, processes in below.items():
+        workers = [pid for pid in processes if "multiprocessing.forkserver" not in command_of(parent_of(pid))]
+        forked_here = [pid for pid in processes if parent_of(pid) == rank and "-c" not in command_of(pid).split()]
+        assert forked_here == [] and len(processes) - len(workers) >= 2, [command_of(pid) for pid in processes]
+    assert holders_of(folder / ".lock") == {ranks[0]}
+    os.kill(ranks[0], signal.SIGKILL)
+    assert run.wait(HANG_TIMEOUT) == 1
+    deadline = time.monotonic() + 10
+    while left := [pid for processes in below.values() for pid in processes if alive(pid)]:
+        assert time.monotonic() < deadline, "\n".join(f"{pid} {parent_of(pid)} {command_of(pid)[:80]}" for pid in left)
+        time.sleep(0.05)
+
+
+def command_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
 
 
 # ----------------------------------------------------------------------------- a file that stops decoding

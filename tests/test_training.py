@@ -29,6 +29,7 @@ from tests.conftest import (
     image_folder_of_noise,
     launch,
     model_name,
+    read_config,
     recorded_ranks,
     run_script,
     snapshot,
@@ -220,7 +221,7 @@ def without_batchnorm(reference_run, tmp_path_factory) -> dict[str, Path]:
     (tmp / "1 rank" / f"previous-{stamp}").mkdir()
     (tmp / "1 rank" / f"previous-{stamp}" / "pytorch_res.csv").write_text("an even earlier run's")
     common = [*TINY, "--image_size=32", "--epochs=2", "--augment=False", "--amp=False", "--lr=4"]  # rounding: 1e-5
-    variants = {"1 rank": ["--world_size=1"], "2 ranks": []}
+    variants = {"1 rank": ["--world_size=1"], "2 ranks": [], "2 ranks, 2 micro-batches": ["--accumulate=2"]}
     runs = {
         name: launch(
             *common,
@@ -250,6 +251,15 @@ def test_two_ranks_step_like_one_rank_on_the_whole_batch(without_batchnorm):
     on 1 rank, so the runs' losses and accuracies agree (float rounding: the sums run in another order); the LR
     follows the global batch, not the world size."""
     assert_same_numbers(without_batchnorm["2 ranks"], without_batchnorm["1 rank"])
+
+
+def test_micro_batches_step_like_the_whole_batch(without_batchnorm):
+    """ACCUMULATE=2: each rank's 24 images in two passes of 12, the gradients all-reduced once, in the second."""
+    assert (
+        "global batch 48 in 2 micro-batches, 12 steps per epoch"
+        in lines((without_batchnorm["2 ranks, 2 micro-batches"] / "stdout").read_text())[0]
+    )
+    assert_same_numbers(without_batchnorm["2 ranks, 2 micro-batches"], without_batchnorm["2 ranks"])
 
 
 def test_world_size_1_follows_the_same_lr_and_moves_old_results_aside_never_overwriting_them(
@@ -298,7 +308,7 @@ def killed_then_resumed(tmp_path_factory) -> SimpleNamespace:
     png = (folder / "pytorch_res.png").read_bytes()
     left = {"epoch": checkpoint_epoch(folder), "rows": csv_rows(folder), "png_whole": png[-8:-4] == b"IEND"}
     env = clean_env(TEST_SLOW_EPOCH="4", TEST_MARKER=str(tmp / "writing-4"))
-    resumed = launch(*REFERENCE, f"--output_dir={folder}", "--resume=True", env=env)
+    resumed = launch(f"--output_dir={folder}", "--resume=True", env=env)  # the checkpoint knows the rest
     wait_for_marker(tmp / "writing-4", resumed)
     second = run_script(*TINY, "--epochs=1", "--seed=1", f"--output_dir={folder}")
     out, err = resumed.communicate(timeout=HANG_TIMEOUT)
@@ -410,6 +420,45 @@ def test_a_non_finite_loss_stops_every_rank_in_one_line_and_keeps_the_last_good_
         f"{folder} are from epoch 2: continue with --resume True"
     ]
     assert (folder / "checkpoint.pt").read_bytes() == saved and csv_rows(folder) == 2
+
+
+def tensorboard_steps(folder: Path) -> dict[str, list[int]]:
+    """The epochs of each curve in the TensorBoard event files of `folder`, as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [event.step for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_a_resume_goes_on_with_the_checkpoints_settings_and_extends_and_tensorboard_follows(reference_run, tmp_path):
+    """`--output_dir X --resume True --epochs 7` and nothing else: the finished run goes on with the checkpoint's
+    settings (TINY's, none the block's) up to epoch 7, the schedule recomputed over 7 epochs, with TensorBoard's
+    curves from then on; `--epochs 8` extends it again, the curves continued; a new run moves every file aside."""
+    folder = tmp_path / "out"
+    shutil.copytree(reference_run[0], folder)
+    extended = run_script(f"--output_dir={folder}", "--resume", "--epochs=7", "--tensorboard=True")
+    assert extended.returncode == 0 and extended.stderr == "", extended.stderr
+    resuming, taken, how = lines(extended.stdout)[:3]
+    assert resuming == "resuming after epoch 5 of 7"
+    assert taken.startswith("the checkpoint's settings, not the block's: DATASET='synthetic', SYNTHETIC_SIZE=600")
+    assert how == (
+        "extended from 5 to 7 epochs: the schedule is recomputed over 7, so the numbers differ from those of a run "
+        "started with --epochs 7"
+    )
+    rows, reference = pd.read_csv(folder / "pytorch_res.csv"), pd.read_csv(reference_run[0] / "pytorch_res.csv")
+    assert rows["epoch"].tolist() == list(range(1, 8))
+    pd.testing.assert_frame_equal(rows[NUMBERS][:5], reference[NUMBERS])  # epochs 1-5 as they were
+    steps, peak = 600 // 48, train_distribute.peak_lr(read_config(REFERENCE))  # epoch 6's last step, of 7 epochs'
+    assert rows["lr"].iloc[5] == pytest.approx(train_distribute.lr_at(6 * steps - 1, 7 * steps, peak, "onecycle", 0.2))
+    assert set(map(tuple, tensorboard_steps(folder).values())) == {(6, 7)}
+    again = run_script(f"--output_dir={folder}", "--resume", "--epochs=8")
+    assert again.returncode == 0 and csv_rows(folder) == 8, again.stderr
+    assert tensorboard_steps(folder)["acc"] == [6, 7, 8]  # TENSORBOARD=True is the checkpoint's now
+    new = run_script(*TINY, "--epochs=1", f"--output_dir={folder}")
+    assert new.returncode == 0, new.stderr
+    (earlier,) = folder.glob("previous-*")
+    assert tensorboard_steps(earlier)["loss"] == [6, 7, 8] and not list(folder.glob("events.*"))
 
 
 def test_a_resume_with_changed_settings_is_refused_in_one_line(reference_run, tmp_path):
