@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -118,9 +119,30 @@ def cleanup() -> None:
     dist.destroy_process_group()
 
 
-def bf16_is_fast(device: torch.device) -> bool:
-    """bf16 autocast pays off on GPUs with bf16 (Ampere on) and on CPUs with native bf16 instructions."""
+def bf16_is_fast(device: torch.device, model: nn.Module | None = None, image_size: int = 32) -> bool:
+    """bf16 autocast pays off on GPUs with bf16 (Ampere on) and on CPUs with native bf16 instructions, but not for a
+    network that oneDNN's bf16 kernels get wrong there (cpu_bf16_faults)."""
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 0)
     cpu = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""  # Linux names CPU features
-    return "avx512_bf16" in cpu or "amx_bf16" in cpu
+    return ("avx512_bf16" in cpu or "amx_bf16" in cpu) and not (model and cpu_bf16_faults(model, image_size))
+
+
+def cpu_bf16_faults(model: nn.Module, image_size: int) -> list[str]:
+    """The network's strided convolutions with a 1x1 output at this image size (mobilenet_v3_small's at 16x16, say):
+    on CPUs, oneDNN's bf16 weight gradient of those holds memory it never wrote (docs/cpu-kinds.md), so the run
+    trains in fp32 instead, and rank 0 says so. Found by one forward of a blank batch, in eval mode."""
+    found: list[str] = []
+    hooks = [
+        module.register_forward_hook(lambda m, _, out, name=name: found.extend([name] * (out.shape[-2:] == (1, 1))))
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Conv2d) and max(module.stride) > 1
+    ]
+    with torch.no_grad():
+        model.eval()(torch.zeros(2, 3, image_size, image_size)).sum()
+    model.train()
+    for hook in hooks:
+        hook.remove()
+    if found and os.environ.get("RANK", "0") == "0":
+        print(f"fp32, not bf16: oneDNN gets bf16 weight gradients wrong for {found[0]} at {image_size}x{image_size}")
+    return found

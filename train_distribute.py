@@ -113,7 +113,7 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
     )
     if cfg.COMPILE:
         ddp_model = torch.compile(ddp_model)  # after wrapping, so that DDP's bucketed all-reduce keeps overlapping
-    bf16 = cfg.AMP and distribute_tools.bf16_is_fast(info.device)
+    bf16 = cfg.AMP and distribute_tools.bf16_is_fast(info.device, model, cfg.IMAGE_SIZE)
     optimizer = muon.make_optimizer(cfg, model, peak_lr(cfg), info.device, bf16)  # muon.py: the optimizers
     return Run(cfg, info, model, ddp_model, optimizer, train_data, test_data, record, bf16)
 

@@ -19,6 +19,7 @@ from torch import nn
 
 import distribute_tools
 import train_distribute
+from resnet import ResNet
 from safeguards import files, settings
 from tests.conftest import (
     HANG_TIMEOUT,
@@ -244,6 +245,14 @@ def assert_same_numbers(run: Path, reference: Path) -> None:
     assert reference_rows["acc"].iloc[-1] > 0.5, "a run that learns nothing would compare equal whatever it stepped"
     for column in NUMBERS:
         assert run_rows[column].tolist() == pytest.approx(reference_rows[column].tolist(), rel=1e-5), column
+
+
+def test_a_network_that_onednn_gets_wrong_in_bf16_on_cpus_is_found_and_the_templates_is_not():
+    """oneDNN's bf16 weight gradient of a strided convolution with a 1x1 output holds memory it never wrote (on CPUs
+    with bf16): such a network trains in fp32 there. The template's ResNet has none, down to the smallest IMAGE_SIZE."""
+    strided = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1))
+    assert distribute_tools.cpu_bf16_faults(strided, 4) == ["2"] and distribute_tools.cpu_bf16_faults(strided, 8) == []
+    assert distribute_tools.cpu_bf16_faults(ResNet(4), 8) == [] and strided.training
 
 
 def test_two_ranks_step_like_one_rank_on_the_whole_batch(without_batchnorm):
