@@ -234,6 +234,8 @@ def quiet_worker(worker_id: int, rank: int) -> None:
     ends the worker then, at once if the rank is already gone. (Its parent is the fork server, which in turn ends
     once the rank and its workers have.)"""
     ignore_stop_signals()
+    if not hasattr(os, "pidfd_open"):  # not Linux: the DataLoader's own look at its parent remains
+        return
     try:
         rank_ended = os.pidfd_open(rank)
     except ProcessLookupError:

@@ -140,15 +140,10 @@ def compare_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) ->
     """The tensors of `weights` whose names and shapes the model has, and what differs ('' for the same network)."""
     own = model.state_dict()
     fits = {name: tensor for name, tensor in weights.items() if name in own and own[name].shape == tensor.shape}
-    unmatched, unknown = [name for name in own if name not in fits], [name for name in weights if name not in fits]
-    if not (unmatched or unknown):
-        return fits, ""
-    first = f"first {unmatched[0]} {list(own[unmatched[0]].shape)}" if unmatched else "none"
-    return fits, f"{len(unmatched)} of make_model's {len(own)} tensors not in it by name and shape ({first})" + (
-        f", {len(unknown)} of its {len(weights)} unknown (first {unknown[0]} {list(weights[unknown[0]].shape)})"
-        if unknown
-        else ""
-    )
+    unmatched = [f"{name} {list(own[name].shape)}" for name in own if name not in fits]
+    unknown = [f"{name} {list(tensor.shape)}" for name, tensor in weights.items() if name not in fits]
+    parts = [(unmatched, f"of make_model's {len(own)} tensors not in it by name and shape"), (unknown, "unknown")]
+    return fits, ", ".join(f"{len(names)} {what} (first {names[0]})" for names, what in parts if names)
 
 
 def init_from(model: torch.nn.Module, path: str) -> None:

@@ -483,6 +483,23 @@ def test_a_resume_with_changed_settings_is_refused_in_one_line(reference_run, tm
     assert results(folder) == before
 
 
+def test_a_resume_with_another_network_is_refused_in_one_line_saying_what_differs(reference_run, tmp_path):
+    """make_model builds another network now (here the ResNet at width 4, not 8): its tensors' shapes differ."""
+    folder = tmp_path / "out"
+    copy_stopped_after(reference_run[0], folder, epoch=2)
+    before = results(folder)
+    result = run_script(f"--output_dir={folder}", "--resume", env=clean_env(TEST_OWN_NETWORK="4"))
+    (line,) = lines(result.stderr)
+    assert result.returncode == 2 and line.startswith(f"error: the checkpoint in {folder} is of another network ("), (
+        line
+    )
+    assert "of make_model's 86 tensors not in it by name and shape (first stem.0.weight [4, 3, 3, 3]), " in line
+    assert " unknown (first " in line and line.endswith(
+        "); resume with the network that wrote it, or start a new run in another --output_dir"
+    )
+    assert results(folder) == before
+
+
 def test_a_resume_on_other_images_of_the_same_count_and_classes_is_refused(tmp_path):
     """An image folder is known by its files' names, classes and byte sizes: one file grown by a byte is other data."""
     images, folder = tmp_path / "images", tmp_path / "out"
