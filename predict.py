@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
     rows = [[path, classifier.classes[p.argmax()], f"{p.max():.6f}"] for path, p in found]
     if all(os.path.basename(os.path.dirname(path)) in classifier.classes for path, _ in found):  # labelled images
         right = sum(os.path.basename(os.path.dirname(path)) == name for path, name, _ in rows)
-        print(f"accuracy {right / len(rows):.4f} on {len(rows)} images", file=sys.stderr)
+        print(f"accuracy {right / len(rows):.4f} on {len(rows):,} images", file=sys.stderr)
     try:
         sys.stdout.reconfigure(encoding="utf-8")
         csv.writer(sys.stdout, lineterminator="\n").writerows([["path", "class", "probability"], *rows])
