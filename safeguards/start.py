@@ -161,7 +161,8 @@ def init_from(model: torch.nn.Module, path: str) -> None:
     model.load_state_dict(fits, strict=False)
     if dist.get_rank() == 0:
         left = [name for name in model.state_dict() if name not in fits]
-        kept = f"; left as built (no tensor of that name and shape): {', '.join(left)}" if left else ""
+        named = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        kept = f"; left as built (no tensor of that name and shape): {named}" if left else ""
         print(f"fine-tuning from {path}: {len(fits)} of {len(model.state_dict())} tensors loaded{kept}", flush=True)
 
 

@@ -500,6 +500,17 @@ def test_a_resume_with_another_network_is_refused_in_one_line_saying_what_differ
     assert results(folder) == before
 
 
+def test_fine_tuning_from_a_checkpoint_of_which_no_tensor_fits_is_refused_in_one_line(tmp_path):
+    other = tmp_path / "other.pt"
+    torch.save({"model": nn.Linear(3, 2).state_dict()}, other)  # no name of the network's
+    result = run_script(*TINY, f"--init_from={other}", f"--output_dir={tmp_path / 'out'}")
+    assert result.returncode == 2 and result.stdout.count("\n") == 1, result.stdout  # the first line, then no epoch
+    (line,) = lines(result.stderr)
+    assert line.startswith(f"error: INIT_FROM {other} holds no tensor of this network (") and line.endswith(
+        ", 2 unknown (first weight [2, 3])); give a similar network's"
+    ), line
+
+
 def test_a_resume_on_other_images_of_the_same_count_and_classes_is_refused(tmp_path):
     """An image folder is known by its files' names, classes and byte sizes: one file grown by a byte is other data."""
     images, folder = tmp_path / "images", tmp_path / "out"
