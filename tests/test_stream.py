@@ -128,6 +128,28 @@ def test_own_image_folders_of_any_size_train(tiny_stream, tmp_path, size, worker
     assert checkpoint["data"]["classes"] == ["a", "b"]
 
 
+def test_a_link_to_nothing_or_classes_that_differ_are_one_line_before_any_rank_starts(tiny_stream, tmp_path):
+    images = tmp_path / "images"
+    shutil.copytree(data_dir(tiny_stream), images)
+
+    def refusal() -> list[str]:
+        run = launch(*tiny_stream, f"--data_dir={images}", f"--output_dir={tmp_path / 'out'}")
+        out, err = run.communicate(timeout=HANG_TIMEOUT)
+        assert run.returncode == 2 and out == "", err
+        return lines(err)
+
+    (images / "train" / "a" / "gone.png").symlink_to(tmp_path / "elsewhere.png")
+    assert refusal() == [
+        f"error: {images}/train/a/gone.png is a link to nothing; remove it or put back what it points to"
+    ]
+    (images / "train" / "a" / "gone.png").unlink()
+    (images / "test" / "b").rename(images / "test" / "c")
+    assert refusal() == [
+        f"error: {images}/train and test/ hold other classes (only in train/: b; only in test/: c); give both the "
+        "same folders"
+    ]
+
+
 # ----------------------------------------------------------------------------- the worker processes
 
 
