@@ -255,13 +255,6 @@ def test_train_and_test_with_other_classes_are_refused(tmp_path):
     )
 
 
-def test_a_link_to_nothing_among_the_images_is_one_line_naming_it(tmp_path):
-    small_folder(tmp_path, images=1)
-    (tmp_path / "train" / "cat" / "gone.png").symlink_to(tmp_path / "elsewhere.png")
-    message = one_line_error(lambda: data.prepare(folder_config(tmp_path)))
-    assert message == f"{tmp_path}/train/cat/gone.png is a link to nothing; remove it or put back what it points to"
-
-
 def test_the_folder_identity_changes_with_a_file(tmp_path):
     small_folder(tmp_path, images=2)
     _, samples = data.list_folder(str(tmp_path), "train")
