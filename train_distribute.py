@@ -225,7 +225,7 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: C
             with torch.autocast(run.info.device.type, dtype=torch.bfloat16, enabled=run.bf16):
                 logits = run.ddp_model(x_part)
                 loss = loss_fn(logits, y_part)
-            (loss * len(y_part) / len(y)).backward()  # the gradients add up to those of the whole share's mean
+            (loss * (len(y_part) / len(y))).backward()  # the gradients add up to those of the whole share's mean
         sums[0] += loss.detach().float() * len(y_part)
         sums[1] += (logits.argmax(dim=1) == y_part).sum()
         sums[2] += len(y_part)
