@@ -135,6 +135,7 @@ def test_only_rank_0_prints_a_first_line_a_line_per_epoch_and_a_done_line(refere
     assert result.stderr == ""
     first, *epochs, done = lines(result.stdout)
     assert first.startswith(f"{model_name()}(") and "2 rank(s) on cpu (gloo)" in first
+    assert "| global batch 48, 12 steps per epoch (24 images left out each), 5 epochs |" in first  # 600 = 12 x 48 + 24
     assert [line.split()[:2] for line in epochs] == [["epoch", f"{e}/5"] for e in range(1, 6)]
     acc = pd.read_csv(out / "pytorch_res.csv")["acc"].iloc[-1]
     assert done.startswith("done: 5 epochs;") and f"final acc {acc:.4f}" in done and str(out) in done
