@@ -202,10 +202,9 @@ class ImageFiles(Dataset):
 
 def reader(files: ImageFiles, batch_size: int, sampler: Any, workers: int, pin: bool, **options: Any) -> DataLoader:
     """Batches of `files` in the order of `sampler`, decoded by `workers` processes a few batches ahead, kept for the
-    whole run; workers=0 decodes in this process, where a debugger reaches it. The workers come from a fork server
-    (forkserver_context), never from a fork of the rank: a fork copies the lock of whatever thread holds one (the
-    loaders' queue feeders, the background writer), and the child can hang on it for good; and a forked worker would
-    hold the rank's open files, OUTPUT_DIR's lock among them."""
+    run (workers=0: in this process, where a debugger reaches it). The workers come from a fork server, not a fork of
+    the rank: that copies the locks its other threads hold (loader queues, the writer), and can hang on one for good,
+    and the fork would hold the rank's open files, OUTPUT_DIR's lock among them."""
     parallel: dict[str, Any] = {}
     if workers:
         parallel = {
@@ -230,9 +229,8 @@ def forkserver_context() -> Any:
 
 
 def quiet_worker(worker_id: int, rank: int) -> None:
-    """A worker leaves stopping to its rank, and ends with it: a thread waits for the rank's end (Linux's pidfd) and
-    ends the worker then, at once if the rank is already gone. (Its parent is the fork server, which in turn ends
-    once the rank and its workers have.)"""
+    """A worker leaves stopping to its rank, and ends with it: a thread waits for the rank's end (Linux's pidfd), at
+    once if the rank is gone. (Its parent, the fork server, ends once the rank and its workers have.)"""
     ignore_stop_signals()
     if not hasattr(os, "pidfd_open"):  # not Linux: the DataLoader's own look at its parent remains
         return

@@ -53,8 +53,7 @@ def under_torchrun() -> bool:
 
 
 def world_size(requested: int) -> int:
-    """The number of ranks: torchrun's, when it started this process; else `requested` (WORLD_SIZE), 0 meaning one
-    per GPU (2 processes on a machine without GPUs)."""
+    """torchrun's number of ranks; else `requested` (WORLD_SIZE), 0 meaning one per GPU (2 on a machine without)."""
     if under_torchrun():
         return int(os.environ["WORLD_SIZE"])
     return requested or (torch.cuda.device_count() if torch.cuda.is_available() else 0) or 2
@@ -119,30 +118,37 @@ def cleanup() -> None:
     dist.destroy_process_group()
 
 
-def bf16_is_fast(device: torch.device, model: nn.Module | None = None, image_size: int = 32) -> bool:
-    """bf16 autocast pays off on GPUs with bf16 (Ampere on) and on CPUs with native bf16 instructions, but not for a
-    network that oneDNN's bf16 kernels get wrong there (cpu_bf16_faults)."""
+def bf16_is_fast(device: torch.device) -> bool:
+    """bf16 autocast pays off on GPUs with bf16 (Ampere on) and on CPUs with native bf16 instructions."""
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 0)
     cpu = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""  # Linux names CPU features
-    return ("avx512_bf16" in cpu or "amx_bf16" in cpu) and not (model and cpu_bf16_faults(model, image_size))
+    return "avx512_bf16" in cpu or "amx_bf16" in cpu
+
+
+def autocast_bf16(device: torch.device, amp: bool, model: nn.Module, image_size: int) -> tuple[bool, str]:
+    """Whether a run autocasts to bf16 (AMP, where bf16 is fast), and the first line's words for it: fp32 for a
+    network that oneDNN's bf16 kernels get wrong on CPUs (cpu_bf16_faults), with the first such convolution."""
+    bf16 = amp and bf16_is_fast(device)
+    faults = cpu_bf16_faults(model, image_size) if bf16 and device.type == "cpu" else []
+    if faults:
+        return False, f"fp32 (oneDNN's bf16 is wrong for {faults[0]} on CPUs: docs/cpu-kinds.md)"
+    return bf16, "bf16 autocast" if bf16 else "fp32"
 
 
 def cpu_bf16_faults(model: nn.Module, image_size: int) -> list[str]:
     """The network's strided convolutions with a 1x1 output at this image size (mobilenet_v3_small's at 16x16, say):
-    on CPUs, oneDNN's bf16 weight gradient of those holds memory it never wrote (docs/cpu-kinds.md), so the run
-    trains in fp32 instead, and rank 0 says so. Found by one forward of a blank batch, in eval mode."""
+    on CPUs, oneDNN's bf16 weight gradient of those holds memory it never wrote (docs/cpu-kinds.md), so such a run
+    trains in fp32. Found by one forward pass of a blank batch, in eval mode."""
     found: list[str] = []
+    strided = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Conv2d) and max(m.stride) > 1]
     hooks = [
-        module.register_forward_hook(lambda m, _, out, name=name: found.extend([name] * (out.shape[-2:] == (1, 1))))
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Conv2d) and max(module.stride) > 1
+        m.register_forward_hook(lambda *io, n=name: found.extend([n] * (io[2].shape[-2:] == (1, 1))))
+        for name, m in strided
     ]
     with torch.no_grad():
         model.eval()(torch.zeros(2, 3, image_size, image_size))
     model.train()
     for hook in hooks:
         hook.remove()
-    if found and os.environ.get("RANK", "0") == "0":
-        print(f"fp32, not bf16: oneDNN gets bf16 weight gradients wrong for {found[0]} at {image_size}x{image_size}")
     return found

@@ -87,6 +87,7 @@ class Run:
     test_data: data.Loader
     data: dict[str, Any]  # what the checkpoint records of the data: identity, classes, normalisation
     bf16: bool  # autocast in bf16
+    precision: str  # what the first line says of it
 
 
 def main_worker(cfg: SimpleNamespace) -> None:
@@ -113,9 +114,9 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
     )
     if cfg.COMPILE:
         ddp_model = torch.compile(ddp_model)  # after wrapping, so that DDP's bucketed all-reduce keeps overlapping
-    bf16 = cfg.AMP and distribute_tools.bf16_is_fast(info.device, model, cfg.IMAGE_SIZE)
+    bf16, precision = distribute_tools.autocast_bf16(info.device, cfg.AMP, model, cfg.IMAGE_SIZE)  # and its words
     optimizer = muon.make_optimizer(cfg, model, peak_lr(cfg), info.device, bf16)  # muon.py: the optimizers
-    return Run(cfg, info, model, ddp_model, optimizer, train_data, test_data, record, bf16)
+    return Run(cfg, info, model, ddp_model, optimizer, train_data, test_data, record, bf16, precision)
 
 
 # ----------------------------------------------------------------------------- the epoch loop
@@ -125,7 +126,11 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     """The epochs: train, evaluate, report; rank 0 hands each epoch's files to a background writer."""
     cfg, info, started = run.cfg, run.info, time.perf_counter()
     if info.is_main:  # DDP: rank 0 alone prints and writes files
-        print(files.describe(run.model, cfg, info, run.data, run.train_data.steps_per_epoch(cfg.BATCH_SIZE), run.bf16))
+        print(
+            files.describe(
+                run.model, cfg, info, run.data, run.train_data.steps_per_epoch(cfg.BATCH_SIZE), run.precision
+            )
+        )
     # a resumed run: the checkpoint's weights, optimizer state and rows, once its data and network are checked; a new
     # one with INIT_FROM (fine-tuning): that run's weights where their names and shapes are the network's
     history = start.restore(checkpoint, run.model, run.optimizer, run.data["identity"], cfg)

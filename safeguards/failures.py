@@ -99,16 +99,13 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
     Rank 0 names a new part; another rank uses the name it read once rank 0 answered its question asked in that part
     (a name left by an earlier attempt gets no answer: its rank 0 is gone), else reads the name again."""
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-    deadline = time.monotonic() + timeout.total_seconds()
     if rank == 0:
         part = uuid.uuid4().hex
         store.set("attempt", part)
-        asked = [f"{part}/asks/{other}" for other in range(1, world_size)]
-        store.wait(asked, timeout)
-        for key in asked:
-            store.set(f"{part}/answers/{store.get(key).decode()}", "")
+        for other in range(1, world_size):  # each rank's question, asked in this part (get waits for it)
+            store.set(f"{part}/answers/{store.get(f'{part}/asks/{other}').decode()}", "")
         return dist.PrefixStore(part, store)
-    question = uuid.uuid4().hex
+    question, deadline = uuid.uuid4().hex, time.monotonic() + timeout.total_seconds()
     while True:
         part = store.get("attempt").decode()
         store.set(f"{part}/asks/{rank}", question)

@@ -141,27 +141,24 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def describe(model: torch.nn.Module, cfg: Any, info: Any, data: dict, steps: int, bf16: bool) -> str:
+def describe(model: torch.nn.Module, cfg: Any, info: Any, data: dict, steps: int, precision: str) -> str:
     """Rank 0's first line: what the run is, and what it does to the data (images stretched, images left out)."""
     width = f"width={model.width}, " if isinstance(getattr(model, "width", None), int) else ""  # the ResNet's knob
     parameters = f"{width}{sum(p.numel() for p in model.parameters()):,} parameters"
     images = f"{data['identity'].split(' of ')[0]} on {cfg.DATASET}"
     images += f" ({data['stretched']} stretched to {cfg.IMAGE_SIZE}x{cfg.IMAGE_SIZE})" if data["stretched"] else ""
     left = data["train_images"] - steps * cfg.BATCH_SIZE  # the last partial batch of every epoch
-    batches = f"global batch {cfg.BATCH_SIZE}" + (f" in {cfg.ACCUMULATE} micro-batches" if cfg.ACCUMULATE > 1 else "")
-    batches += f", {steps} steps per epoch" + (
-        f" ({left:,} images left out each)" if left > data["train_images"] / 100 else ""
-    )
+    batches = f"global batch {cfg.BATCH_SIZE}" + f" in {cfg.ACCUMULATE} micro-batches" * (cfg.ACCUMULATE > 1)
+    batches += f", {steps} steps per epoch" + f" ({left:,} images left out each)" * (left > data["train_images"] / 100)
     return (
         f"{type(model).__name__}({parameters}) | {images} | loader {data['loader']} | {info.world_size} rank(s) on "
-        f"{info.device.type} ({info.backend}) | {batches}, {cfg.EPOCHS} epochs | {cfg.OPTIMIZER} | "
-        f"{'bf16 autocast' if bf16 else 'fp32'}"
+        f"{info.device.type} ({info.backend}) | {batches}, {cfg.EPOCHS} epochs | {cfg.OPTIMIZER} | {precision}"
     )
 
 
 def progress(batches: Iterable, steps: int, epoch: int, cfg: Any) -> Iterator:
-    """Rank 0's view of an epoch's batches as it trains: on a terminal a bar with the rate and the time left (tqdm);
-    in a log file a line every PROGRESS_EVERY seconds, once an epoch lasts that long."""
+    """An epoch's batches, its progress shown: on a terminal a bar with the rate and the time left (tqdm); in a log
+    file a line every PROGRESS_EVERY seconds."""
     if sys.stderr.isatty():
         from tqdm import tqdm
 

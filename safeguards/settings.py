@@ -78,10 +78,9 @@ def check(cfg: SimpleNamespace) -> None:
 
 
 def resumed(cfg: SimpleNamespace, saved: dict[str, Any], restart: str = "") -> tuple[SimpleNamespace, list[str]]:
-    """The settings a resumed run continues with, and the lines that say where they differ from the block's: the
-    checkpoint's (a setting added since it was written: its default), but where the command line gives one that a
-    resume may change: FREE_ON_RESUME, and EPOCHS upwards on --resume (the run is extended). A value that changes any
-    other setting is refused in one line. `restart`: what made this start a restart, which changes nothing."""
+    """The settings a resume goes on with, and its lines on them: the checkpoint's (its default for a setting added
+    since), but where the command line gives one a resume may change (FREE_ON_RESUME; EPOCHS upwards on --resume,
+    extending the run); another change is refused in one line. `restart`: what makes this start a restart."""
     merged, taken = {}, []
     for name, value in vars(cfg).items():
         was = saved.get(name, DEFAULTS.get(name, value))
@@ -99,10 +98,10 @@ def resumed(cfg: SimpleNamespace, saved: dict[str, Any], restart: str = "") -> t
             )
         merged[name] = value
     lines = [f"the checkpoint's settings, not the block's: {', '.join(taken)}"] if taken else []
-    if merged["EPOCHS"] > saved["EPOCHS"]:
+    if (epochs := merged["EPOCHS"]) > saved["EPOCHS"]:
         lines.append(
-            f"extended from {saved['EPOCHS']} to {merged['EPOCHS']} epochs: the schedule is recomputed over "
-            f"{merged['EPOCHS']}, so the numbers differ from those of a run started with --epochs {merged['EPOCHS']}"
+            f"extended from {saved['EPOCHS']} to {epochs} epochs: the schedule is recomputed over {epochs}, so the "
+            f"numbers differ from those of a run started with --epochs {epochs}"
         )
     check(SimpleNamespace(**merged))
     return SimpleNamespace(**merged), lines

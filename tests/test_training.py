@@ -250,7 +250,8 @@ def assert_same_numbers(run: Path, reference: Path) -> None:
 
 def test_a_network_that_onednn_gets_wrong_in_bf16_on_cpus_is_found_and_the_templates_is_not():
     """oneDNN's bf16 weight gradient of a strided convolution with a 1x1 output holds memory it never wrote (on CPUs
-    with bf16): such a network trains in fp32 there. The template's ResNet has none, down to the smallest IMAGE_SIZE."""
+    with bf16): such a network trains in fp32 there, as its first line says. The template's ResNet has none, down to
+    the smallest IMAGE_SIZE."""
     strided = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1))
     assert distribute_tools.cpu_bf16_faults(strided, 4) == ["2"] and distribute_tools.cpu_bf16_faults(strided, 8) == []
     assert distribute_tools.cpu_bf16_faults(ResNet(4), 8) == [] and strided.training
