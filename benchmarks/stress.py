@@ -6,11 +6,12 @@ it exited 0, printed no abort or traceback line, and left a CSV with every epoch
     python -m benchmarks.stress --spawned 0 --torchrun 0 --ctrl_c_at_start 45   # Ctrl-C as the ranks start
     python -m benchmarks.stress --spawned 0 --torchrun 0 --folder_runs 200 --folder_stops 50   # image folders
 
---folder_runs: runs on an image folder (DataLoader workers decoding files, a new evaluation pass every epoch),
-each clean if it exits 0 within --timeout seconds (a hang does not) with every epoch in its CSV, and no process of
-it is left. --folder_stops: the same run stopped by SIGTERM at a moment drawn uniformly from its launch to the end
-of a normal run's time, then at once `--output_dir DIR --resume True` (a new run where no checkpoint was written
-yet): clean if that start is accepted and finishes every epoch, and no process of either is left.
+--folder_runs: runs of --folder_epochs epochs on an image folder (DataLoader workers decoding files, an evaluation
+pass every epoch), each clean if it exits 0 within --timeout seconds (a hang does not) with every epoch in its CSV,
+and no process of it is left. --folder_stops: the same run stopped by SIGTERM at a moment drawn uniformly from its
+launch to the end of a normal run's time, then at once `--output_dir DIR --resume True` (a new run where no
+checkpoint was written yet): clean if that start is accepted and finishes every epoch, and no process of either is
+left. More epochs put more of the stops in the middle of training rather than in the start.
 
 Each run: synthetic data, width 8, 1 epoch, 2 CPU ranks (the shape of run that used to abort at exit). A
 --ctrl_c_at_start run gets SIGINT on its whole process group as soon as both ranks exist; it is clean if it
@@ -78,7 +79,7 @@ def ctrl_c_at_start(output_dir: str) -> str:
     return f"exit {run.returncode}, printed: " + " | ".join(lines[:3])
 
 
-FOLDER = ["--dataset=imagefolder", "--image_size=16", "--width=8", "--batch_size=48", "--epochs=3"]
+FOLDER = ["--dataset=imagefolder", "--image_size=16", "--width=8", "--batch_size=48"]
 
 
 def image_folder(root: Path) -> None:
@@ -123,51 +124,40 @@ def folder_run(args: list[str], marker: str, timeout: float, stop_at: float | No
     return code, " | ".join(output.strip().splitlines()[-2:])
 
 
-def trouble(output_dir: str, marker: str) -> list[str]:
+def trouble(output_dir: str, marker: str, epochs: int) -> list[str]:
     """What is wrong with a folder run's end: rows missing from its CSV, processes of it left."""
     csv = Path(output_dir, "pytorch_res.csv")
     rows = len(pd.read_csv(csv)) if csv.exists() else 0
-    return [f"{rows} rows"] * (rows != 3) + [f"left: {left_behind(marker)}"] * bool(left_behind(marker))
+    return [f"{rows} rows"] * (rows != epochs) + [f"left: {left_behind(marker)}"] * bool(left_behind(marker))
 
 
-def folder_runs(count: int, stops: int, timeout: float) -> None:
+def folder_runs(count: int, stops: int, timeout: float, epochs: int) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         image_folder(Path(scratch, "images"))
-        base, durations, clean, started = [*FOLDER, f"--data_dir={scratch}/images"], [], 0, time.monotonic()
-        for i in range(count):
+        base = [*FOLDER, f"--epochs={epochs}", f"--data_dir={scratch}/images"]
+        durations, clean, started = [], 0, time.monotonic()
+        for i in range(max(count, 1 if stops else 0)):  # with stops only: one run, to time a normal run
             out, marker, begun = f"{scratch}/run{i}", f"stress-run-{i}-{os.getpid()}", time.monotonic()
             code, said = folder_run([*base, f"--output_dir={out}"], marker, timeout)
             durations.append(time.monotonic() - begun)
-            csv = Path(out, "pytorch_res.csv")
-            rows = len(pd.read_csv(csv)) if csv.exists() else 0
-            problems = (
-                [f"exit {code}"] * (code != 0) + [f"{rows} rows"] * (rows != 3) + ["left"] * bool(left_behind(marker))
-            )
+            problems = [f"exit {code}"] * (code != 0) + trouble(out, marker, epochs)
             clean += not problems
             print(f"folder run {i + 1}: {', '.join(problems)}: {said}", flush=True) if problems else None
         seconds = time.monotonic() - started
-        print(f"folder runs: {clean} of {count} clean (exit 0, 3 rows, nothing left) in {seconds:.0f} s", flush=True)
-        typical, clean, started = float(np.median(durations or [20.0])), 0, time.monotonic()
+        print(f"folder runs: {clean} of {len(durations)} clean (exit 0, every epoch, nothing left) in {seconds:.0f} s")
+        typical, clean, started = float(np.median(durations)), 0, time.monotonic()
         for i in range(stops):
             out, marker, at = f"{scratch}/stop{i}", f"stress-stop-{i}-{os.getpid()}", random.uniform(0, typical)
             stopped, _ = folder_run([*base, f"--output_dir={out}"], marker, timeout, stop_at=at)
             again = ["--resume=True"] if Path(out, "checkpoint.pt").exists() else base  # the checkpoint knows the rest
             code, said = folder_run([*again, f"--output_dir={out}"], marker, timeout)
-            csv = Path(out, "pytorch_res.csv")
-            rows = len(pd.read_csv(csv)) if csv.exists() else 0
-            problems = (
-                [f"then exit {code}"] * (code != 0)
-                + [f"{rows} rows"] * (rows != 3)
-                + ["left"] * bool(left_behind(marker))
-            )
+            problems = ["the stopped run hung"] * (stopped == -1) + [f"then exit {code}"] * (code != 0)
+            problems += trouble(out, marker, epochs)
             clean += not problems
             how = "resumed" if again[0] == "--resume=True" else "started anew"
-            print(
-                f"stop {i + 1} at {at:.1f} s (exit {stopped}), {how}: {', '.join(problems) or 'clean'}: {said}",
-                flush=True,
-            )
+            print(f"stop {i + 1} at {at:.1f} s (exit {stopped}), {how}: {', '.join(problems) or 'clean'}: {said}")
         seconds = time.monotonic() - started
-        print(f"folder stops: {clean} of {stops} clean (accepted, 3 rows, nothing left) in {seconds:.0f} s")
+        print(f"folder stops: {clean} of {stops} clean (accepted, every epoch, nothing left) in {seconds:.0f} s")
 
 
 def main() -> None:
@@ -177,10 +167,11 @@ def main() -> None:
     parser.add_argument("--ctrl_c_at_start", type=int, default=0, help="spawned runs stopped as the ranks start")
     parser.add_argument("--folder_runs", type=int, default=0, help="image-folder runs to their end")
     parser.add_argument("--folder_stops", type=int, default=0, help="image-folder runs stopped by SIGTERM, resumed")
+    parser.add_argument("--folder_epochs", type=int, default=3, help="epochs of a folder run")
     parser.add_argument("--timeout", type=float, default=300, help="seconds after which a folder run is a hang")
     args = parser.parse_args()
     if args.folder_runs or args.folder_stops:
-        folder_runs(args.folder_runs, args.folder_stops, args.timeout)
+        folder_runs(args.folder_runs, args.folder_stops, args.timeout, args.folder_epochs)
     for launcher, count in (("spawned", args.spawned), ("torchrun", args.torchrun), ("ctrl_c", args.ctrl_c_at_start)):
         if count == 0:
             continue
