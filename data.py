@@ -77,10 +77,8 @@ def _cifar10(data_dir: str, train: bool, download: bool = False) -> Any:
     try:
         return CIFAR10(data_dir, train=train, download=True)
     except Exception as e:
-        raise UserError(
-            f"could not download CIFAR-10 into {data_dir} ({first_line(e)}); offline, copy cifar-10-python.tar.gz "
-            f"into {data_dir}/ by hand and rerun, or use --dataset imagefolder"
-        ) from None
+        how = f"offline, copy cifar-10-python.tar.gz into {data_dir}/ by hand and rerun, or use --dataset imagefolder"
+        raise UserError(f"could not download CIFAR-10 into {data_dir} ({first_line(e)}); {how}") from None
 
 
 def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_format) -> tuple[Any, Any, dict]:
@@ -207,11 +205,8 @@ def reader(files: ImageFiles, batch_size: int, sampler: Any, workers: int, pin: 
     and the fork would hold the rank's open files, OUTPUT_DIR's lock among them."""
     parallel: dict[str, Any] = {}
     if workers:
-        parallel = {
-            "multiprocessing_context": forkserver_context(),
-            "worker_init_fn": partial(quiet_worker, rank=os.getpid()),
-        }
-        parallel |= {"prefetch_factor": 4, "persistent_workers": True}
+        parallel = {"multiprocessing_context": forkserver_context(), "prefetch_factor": 4, "persistent_workers": True}
+        parallel["worker_init_fn"] = partial(quiet_worker, rank=os.getpid())
     return DataLoader(files, batch_size, sampler=sampler, num_workers=workers, pin_memory=pin, **parallel, **options)
 
 
@@ -221,10 +216,8 @@ def forkserver_context() -> Any:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "data"])
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    multiprocessing.forkserver.ensure_running()  # (if it fails, the rank ends with its line)
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
     return context
 
 

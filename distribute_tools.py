@@ -115,7 +115,7 @@ def cleanup() -> None:
     finishing its files, say) can abort the run. (After a failure a rank ends without it: safeguards.failures.)"""
     gc.collect()  # the DDP model and its reducer hold the group: freed first, the group's threads end with it
     dist.barrier()  # DDP: every rank meets
-    dist.destroy_process_group()
+    dist.destroy_process_group(failures.kept_alive(dist.group.WORLD))  # (torch < 2.8: kept to the end, see there)
 
 
 def bf16_is_fast(device: torch.device) -> bool:

@@ -9,6 +9,7 @@ Started by `python train_distribute.py`, a rank hands its line to the launcher i
 import ctypes
 import datetime
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 EXIT_MISTAKE, EXIT_STOPPED, EXIT_INTERRUPTED = 2, 75, 130
@@ -40,6 +42,7 @@ class Stopped(BaseException):
 
 
 _received: list[int] = []  # the stop signal this process got, if any
+_groups_kept: list[Any] = []  # the process group, where freeing it can hang (kept_alive)
 _ending: list[bool] = []  # set first thing when a rank ends: a stop signal arriving then is noted, not raised
 _kept: list[Callable[[], str]] = []  # says which epoch's files a run that ends now keeps (tell_kept_files)
 
@@ -117,6 +120,14 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
                 raise
 
 
+def kept_alive(group: Any) -> Any:
+    """`group`, kept where freeing it hangs now and then: torch 2.4 to 2.7 free it holding Python's lock while joining
+    its threads, one of which may need the lock to free a finished collective's tensors (pytorch#154976, fixed in
+    2.8). run_rank then ends the process without freeing it."""
+    _groups_kept.extend([group] if torch.__version__ < "2.8" else [])
+    return group
+
+
 def all_ranks_try(action: Callable[[], Any] | None) -> Any:
     """DDP: every rank calls it. The ranks given an `action` run it (rank 0 alone, say); a UserError on any of them is
     raised on every rank, so that all stop together. Returns this rank's result."""
@@ -142,6 +153,9 @@ def run_rank(body: Callable[[], None]) -> int:
     try:
         handle_stop_signals()  # a stop held back while this rank started arrives here
         body()
+        if _groups_kept and multiprocessing.parent_process() is None:  # a forked rank's end is an os._exit anyway
+            sys.stdout.flush()
+            os._exit(0)  # the kept group is never freed
         return 0
     except BaseException as error:  # every way out of a rank becomes its line and code
         _ending.append(True)  # before any Python call runs a pending handler: a stop now is noted, not raised

@@ -119,10 +119,8 @@ def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, ide
             failures.all_ranks_try(lambda: init_from(model, cfg.INIT_FROM))  # DDP: a rank that cannot stops them all
         return history
     if checkpoint["data"]["identity"] != identity:
-        raise UserError(
-            f"the checkpoint in {folder} was trained on other data ({checkpoint['data']['identity']}, now "
-            f"{identity}); resume on the same data, or start a new run without --resume"
-        )
+        was = f"the checkpoint in {folder} was trained on other data ({checkpoint['data']['identity']}, now {identity})"
+        raise UserError(f"{was}; resume on the same data, or start a new run without --resume")
     if differs := compare_weights(model, checkpoint["model"])[1]:
         raise UserError(
             f"the checkpoint in {folder} is of another network ({differs}); resume with the network that wrote it, "
@@ -152,9 +150,8 @@ def init_from(model: torch.nn.Module, path: str) -> None:
     try:
         weights = torch.load(path, map_location="cpu", weights_only=True)["model"]
     except Exception as e:
-        raise UserError(
-            f"cannot read INIT_FROM {path} ({failures.first_line(e, 80)}); give a run's checkpoint.pt"
-        ) from None
+        why = failures.first_line(e, 80)
+        raise UserError(f"cannot read INIT_FROM {path} ({why}); give a run's checkpoint.pt") from None
     fits, differs = compare_weights(model, weights)
     if not fits:
         raise UserError(f"INIT_FROM {path} holds no tensor of this network ({differs}); give a similar network's")
