@@ -130,8 +130,7 @@ def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tu
 
 def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, int]]]:
     """Class names (sorted sub-folder names) and (path, label) of every image in them, in sub-folders too
-    (torchvision's listing). Names that start with a dot are skipped: hidden folders such as .ipynb_checkpoints, and
-    macOS's ._ files."""
+    (torchvision's listing). Names that start with a dot are skipped (.ipynb_checkpoints, macOS's ._ files)."""
     from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
     root = os.path.join(data_dir, split)

@@ -121,9 +121,8 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
 
 
 def kept_alive(group: Any) -> Any:
-    """`group`, kept where freeing it hangs now and then: torch 2.4 to 2.7 free it holding Python's lock while joining
-    its threads, one of which may need the lock to free a finished collective's tensors (pytorch#154976, fixed in
-    2.8). run_rank then ends the process without freeing it."""
+    """`group`, kept where freeing it can hang (torch 2.4 to 2.7 free it holding Python's lock while joining a thread
+    that may need the lock to free a collective's tensors: pytorch#154976); run_rank ends the process without it."""
     _groups_kept.extend([group] if torch.__version__ < "2.8" else [])
     return group
 
@@ -224,6 +223,9 @@ def _say(code: int, line: str) -> None:
         return
     if code == 1 or os.environ.get("LOCAL_RANK") == "0":
         print(kept_files(line), file=sys.stderr, flush=True)  # this rank's writer is closed: its files are whole
+    elif code == EXIT_MISTAKE:  # local rank 0 finds it too: it says it, and torchrun then stops this rank (SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(60)
 
 
 def lost_peer(error: BaseException | None) -> bool:
