@@ -62,6 +62,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def gpu_count() -> int:
+    """GPUs, counted by NVML: the CUDA runtime's count in this process would keep the seed's ranks, forked from it,
+    from using CUDA ("Cannot re-initialize CUDA in forked subprocess")."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -255,6 +258,13 @@ def cpu_kind() -> str:
     return f"CPU with {'+'.join(native)}" if native else "CPU without native bf16 (AVX2 or older)"
 
 
+def gpu_name() -> str:
+    """The GPU's name from nvidia-smi: torch's would initialise CUDA here, which the seed's ranks, forked from this
+    process, then could not use ("Cannot re-initialize CUDA in forked subprocess")."""
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    return smi.stdout.splitlines()[0] if smi.stdout.strip() else "a GPU"
+
+
 def main() -> None:
     args = parse_args()
     try:
@@ -263,7 +273,7 @@ def main() -> None:
     except UserError as e:
         sys.exit(f"error: {e}")
     device, backend = choose_device(0, 1, gpu_count())
-    name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"{cpu_kind()}, {cores()} cores"
+    name = gpu_name() if device.type == "cuda" else f"{cpu_kind()}, {cores()} cores"
     print(
         f"machine: {name} | torch {torch.__version__} | {world_size} rank(s), {backend} | width {args.width}, "
         f"global batch {args.batch_size}, {args.steps} timed steps | (b) and (c) with {optimizer}",
