@@ -170,6 +170,7 @@ def main() -> None:
     parser.add_argument("--folder_epochs", type=int, default=3, help="epochs of a folder run")
     parser.add_argument("--timeout", type=float, default=300, help="seconds after which a folder run is a hang")
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # each run's line as it ends, in a log too
     if args.folder_runs or args.folder_stops:
         folder_runs(args.folder_runs, args.folder_stops, args.timeout, args.folder_epochs)
     for launcher, count in (("spawned", args.spawned), ("torchrun", args.torchrun), ("ctrl_c", args.ctrl_c_at_start)):
