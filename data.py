@@ -1,10 +1,9 @@
 """The data: CIFAR-10, your image folder or generated images, as each rank's batches, cropped, flipped and normalised
 on the device. Two loaders with one interface:
 
-    MemoryLoader  CIFAR-10 or generated images, the whole split on the device as uint8: per epoch this rank's shard of
-                  one permutation that every rank draws alike, batches cut by indexing (no per-image Python work)
-    StreamLoader  an image folder, of any size: torch's DataLoader with a DistributedSampler, worker processes decoding
-                  the files as training goes"""
+    MemoryLoader  CIFAR-10, generated images or an image folder that fits, the whole split on the device as uint8: per
+                  epoch this rank's shard of one permutation that every rank draws alike, batches cut by indexing
+    StreamLoader  a larger image folder: DataLoader + DistributedSampler (the same order), workers decoding the files"""
 
 import hashlib
 import multiprocessing
@@ -41,6 +40,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SYNTHETIC_CLASSES = 10
 EVAL_BATCH = 500  # test images per evaluation batch
 UNREADABLE_STOP = 0.1  # a pass over an image folder with more unreadable files than this share stops the run
+MEMORY_SHARE = 0.2  # image folders decoded take at most this share of a rank's RAM (twice, decoding) and GPU: in memory
 
 
 def prepare(cfg: SimpleNamespace) -> None:
@@ -86,23 +86,28 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
     other data is refused on every rank), classes and normalisation."""
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if cfg.DATASET == "imagefolder" else (CIFAR_MEAN, CIFAR_STD)
     options = {"mean": mean, "std": std, "device": info.device, "memory_format": memory_format}
+    kind, how, found = MemoryLoader, "memory", None  # the memory loader's splits: uint8 NHWC images and their labels
     if cfg.DATASET == "imagefolder":
         (classes, train), (_, test) = list_folder(cfg.DATA_DIR, "train"), list_folder(cfg.DATA_DIR, "test")
         cores = len(os.sched_getaffinity(0)) // info.local_world_size  # this rank's share of the machine
         workers = cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else max(1, cores - 1)
-        kind, options = StreamLoader, {**options, "workers": workers}
         splits: list[Any] = [ImageFiles(samples, cfg.IMAGE_SIZE) for samples in (train, test)]
-        source, how = f"files {folder_digest(cfg.DATA_DIR, train + test)}", f"stream, {workers} worker(s) per rank"
+        source = f"files {folder_digest(cfg.DATA_DIR, train + test)}"
         with Image.open(train[0][0]) as first:  # the header only: the first line says when images are stretched
             found = "x".join(map(str, first.size))
-    elif cfg.DATASET == "synthetic":  # the memory loader's splits: uint8 NHWC images and their labels
-        kind, source, how, n, found = MemoryLoader, "generated", "memory", cfg.SYNTHETIC_SIZE, None
+        room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / info.local_world_size  # each rank a copy
+        gpu = torch.cuda.get_device_properties(info.device).total_memory if info.device.type == "cuda" else room
+        if (len(train) + len(test)) * 3 * cfg.IMAGE_SIZE**2 <= MEMORY_SHARE * min(room, gpu):
+            splits = [decoded(files, workers, training) for files, training in zip(splits, (True, False), strict=True)]
+        else:
+            kind, how, options = StreamLoader, f"stream, {workers} worker(s) per rank", {**options, "workers": workers}
+    elif cfg.DATASET == "synthetic":
+        source, n, classes = "generated", cfg.SYNTHETIC_SIZE, [f"class_{c}" for c in range(SYNTHETIC_CLASSES)]
         splits = [make_synthetic(size, cfg.SEED, split, cfg.IMAGE_SIZE) for split, size in enumerate((n, n // 5 or 1))]
-        classes = [f"class_{c}" for c in range(SYNTHETIC_CLASSES)]
     else:
         cifar = [_cifar10(cfg.DATA_DIR, train) for train in (True, False)]
-        kind, source, how, found = MemoryLoader, "CIFAR-10", "memory", None
-        splits, classes = [(torch.from_numpy(c.data), torch.tensor(c.targets)) for c in cifar], cifar[0].classes
+        classes, source = cifar[0].classes, "CIFAR-10"
+        splits = [(torch.from_numpy(c.data), torch.tensor(c.targets)) for c in cifar]
     loaders = [kind(split, augment, **options) for split, augment in zip(splits, (cfg.AUGMENT, False), strict=True)]
     if len(loaders[0]) < cfg.BATCH_SIZE:
         raise UserError(f"{len(loaders[0])} training images, fewer than BATCH_SIZE={cfg.BATCH_SIZE}; lower it")
@@ -233,6 +238,27 @@ def quiet_worker(worker_id: int, rank: int) -> None:
     threading.Thread(target=lambda: select.select([rank_ended], [], []) and os._exit(0), daemon=True).start()
 
 
+def decoded(files: ImageFiles, workers: int, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split decoded once by `workers` processes (on every rank), uint8 NHWC, less the files unreadable now."""
+    pixels, labels, marks = (torch.cat(p) for p in zip(*reader(files, EVAL_BATCH, None, workers, False), strict=True))
+    keep = torch.ones(len(files), dtype=torch.bool)
+    keep[readable_enough(files, marks[marks >= 0].tolist(), "left out of the run" if training else None)] = False
+    return pixels[keep], labels[keep]
+
+
+def readable_enough(files: ImageFiles, bad: list[int], left_out: str | None) -> list[int]:
+    """The files no rank could read in a pass, named by rank 0 in one line; over a tenth stops every rank. DDP."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, bad)  # DDP: every rank, at the end of each pass
+    if found := sorted({i for theirs in everyone for i in theirs}):
+        line = files.unreadable(found)
+        if len(found) > UNREADABLE_STOP * len(files):
+            raise UserError(f"{line}; put back good copies and resume; {KEPT}")
+        what = left_out or f"the accuracy is over the other {len(files) - len(found):,}"
+        print(f"warning: {line}; {what}", file=sys.stderr, flush=True) if dist.get_rank() == 0 else None
+    return found
+
+
 # ----------------------------------------------------------------------------- the loaders
 
 
@@ -288,7 +314,7 @@ class StreamLoader(Loader):
 
     def __init__(self, files: ImageFiles, *args: Any, workers: int, **options: Any) -> None:
         super().__init__(*args, **options)
-        self.files, self.workers, self.readers = files, workers, {}
+        self.files, self.workers, self.pin, self.readers = files, workers, self.device.type == "cuda", {}
 
     def __len__(self) -> int:
         return len(self.files)
@@ -296,19 +322,17 @@ class StreamLoader(Loader):
     def train_batches(self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int) -> Any:
         if "train" not in self.readers:  # DDP: each rank's shard of one shuffle; drop_last: every rank as many steps
             sampler = DistributedSampler(self.files, world_size, rank, shuffle=True, seed=seed, drop_last=True)
-            self.readers["train"] = self._reader(global_batch // world_size, sampler, drop_last=True)
+            self.readers["train"] = reader(
+                self.files, global_batch // world_size, sampler, self.workers, self.pin, drop_last=True
+            )
         self.readers["train"].sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same on every rank
         yield from self._batches(self.readers["train"], self.augmentation(seed, epoch, rank))
 
     def eval_batches(self, world_size: int, rank: int) -> Any:
         if "test" not in self.readers:  # no image padded in or left out
-            self.readers["test"] = self._reader(
-                EVAL_BATCH // 2, torch.tensor_split(torch.arange(len(self)), world_size)[rank].tolist()
-            )
+            part = torch.tensor_split(torch.arange(len(self)), world_size)[rank].tolist()
+            self.readers["test"] = reader(self.files, EVAL_BATCH // 2, part, self.workers, self.pin)
         yield from self._batches(self.readers["test"], None)
-
-    def _reader(self, batch_size: int, sampler: Any, **options: Any) -> DataLoader:
-        return reader(self.files, batch_size, sampler, self.workers, self.device.type == "cuda", **options)
 
     def _batches(self, batches: DataLoader, generator: torch.Generator | None) -> Any:
         bad: list[int] = []
@@ -319,16 +343,7 @@ class StreamLoader(Loader):
                     raise UserError(f"{self.files.unreadable(bad)}; put back good copies and resume; {KEPT}")
                 pixels, labels = pixels[marks < 0], labels[marks < 0]  # the files that cannot be read are left out
             yield self.prepare(pixels.to(self.device, non_blocking=True), generator), labels.to(self.device)
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, bad)  # DDP: every rank, at the end of each pass
-        if found := sorted({i for theirs in everyone for i in theirs}):
-            line = self.files.unreadable(found)
-            if len(found) > UNREADABLE_STOP * len(self):
-                raise UserError(f"{line}; put back good copies and resume; {KEPT}")
-            what = (
-                "left out of this pass" if generator else f"the accuracy is over the other {len(self) - len(found):,}"
-            )
-            print(f"warning: {line}; {what}", file=sys.stderr, flush=True) if dist.get_rank() == 0 else None
+        readable_enough(self.files, bad, "left out of this pass" if generator else None)  # DDP: every rank
 
 
 def seed_for(*parts: int) -> int:
@@ -343,7 +358,7 @@ def shard_indices(n: int, world_size: int, rank: int, seed: int, epoch: int) -> 
     """This rank's shard of the epoch: every rank draws the same permutation (from seed and epoch) and takes every
     world_size-th entry, so that step s of all ranks together uses the same global batch at any world size. The
     last n % world_size entries of the permutation sit out the epoch."""
-    permutation = torch.randperm(n, generator=torch.Generator().manual_seed(seed_for(seed, epoch)))
+    permutation = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))  # StreamLoader's sampler's
     return permutation[rank : n - n % world_size : world_size]
 
 

@@ -9,6 +9,7 @@ environment asks, and ranks forked from the launcher inherit them):
     TEST_DROPOUT=0.3                      make_model's network gets dropout on its input: randomness in forward
     TEST_OWN_NETWORK=8                    the template's own ResNet of this width, whatever make_model returns now
     TEST_PROGRESS_SECONDS=0               an epoch's progress line in a log file this often (a minute otherwise)
+    TEST_STREAM=1                         image folders stream from their files, as those too large for memory do
 """
 
 import errno
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from torch import nn
 
+import data
 import train_distribute
 from resnet import ResNet
 from safeguards import files
@@ -57,6 +59,8 @@ def install_hooks() -> None:
             Path(os.environ["TEST_PIDS"], f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
         main_worker(cfg)
 
+    if os.environ.get("TEST_STREAM"):
+        data.MEMORY_SHARE = 0.0
     if os.environ.get("TEST_PROGRESS_SECONDS"):
         files.PROGRESS_EVERY = float(os.environ["TEST_PROGRESS_SECONDS"])
     files.ResultWriter._write = hooked_write

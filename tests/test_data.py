@@ -80,6 +80,16 @@ def test_all_ranks_together_take_the_global_batch_of_one_process():
             assert set(together.tolist()) == set(single[step * global_batch : (step + 1) * global_batch].tolist())
 
 
+def test_shards_are_distributed_samplers_so_that_an_image_folder_trains_alike_in_memory_or_streamed():
+    from torch.utils.data.distributed import DistributedSampler
+
+    for n, world_size in ((1000, 2), (1001, 4), (7, 1)):
+        for rank in range(world_size):
+            sampler = DistributedSampler(range(n), world_size, rank, shuffle=True, seed=3, drop_last=True)
+            sampler.set_epoch(2)
+            assert data.shard_indices(n, world_size, rank, seed=3, epoch=2).tolist() == list(sampler), (n, rank)
+
+
 # ----------------------------------------------------------------------------- crops and flips
 
 

@@ -1,6 +1,6 @@
-"""Image folders and the stream loader (torch's DataLoader with a DistributedSampler, DataLoader workers decoding
-the files as training goes), in real rank processes: the order the ranks draw, folders of any image size, and a file
-that stops decoding mid-run."""
+"""Image folders, decoded once into memory where they fit, else streamed (torch's DataLoader with a DistributedSampler,
+DataLoader workers decoding the files as training goes; TEST_STREAM=1 makes the tiny folders stream), in real rank
+processes: the order the ranks draw, folders of any image size, files that cannot be read or stop decoding mid-run."""
 
 import json
 import os
@@ -80,6 +80,7 @@ def _read_rank(argv: list[str], answers: str) -> None:
         for epoch in (1, 2)
     }
     drawn["test"] = [n for x, _ in test.eval_batches(2, info.rank) for n in numbers(x)]
+    drawn["loader"] = record["loader"]
     Path(answers, f"rank{info.rank}.json").write_text(json.dumps(drawn))
     distribute_tools.cleanup()
 
@@ -91,14 +92,18 @@ def sampler_order(images: int, rank: int, seed: int, epoch: int) -> list[int]:
     return list(sampler)
 
 
-def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the_ranks_share(tmp_path):
-    """And an evaluation reads every test image exactly once: 11 of them, 6 on rank 0 and 5 on rank 1."""
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the_ranks_share(tmp_path, loader):
+    """And an evaluation reads every test image exactly once: 11 of them, 6 on rank 0 and 5 on rank 1. In memory and
+    streamed alike: DistributedSampler's order, so that a resume where the other loader is chosen goes on exactly."""
     numbered_folder(tmp_path / "images", train=96, test=11)
     argv = ["--dataset=imagefolder", f"--data_dir={tmp_path / 'images'}", "--num_workers=1",
             "--image_size=8", "--batch_size=16", "--augment=False", "--seed=3"]  # fmt: skip
-    result = call(f"{__name__}:read_in_ranks", str(tmp_path), *argv)
+    env = clean_env(TEST_STREAM="1" if loader == "stream" else "")
+    result = call(f"{__name__}:read_in_ranks", str(tmp_path), *argv, env=env)
     assert result.returncode == 0, result.stderr
     drawn = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert drawn[0]["loader"] == ("stream, 1 worker(s) per rank" if loader == "stream" else "memory")
     for epoch in ("1", "2"):
         shards = [theirs[epoch] for theirs in drawn]
         assert sorted(shards[0] + shards[1]) == list(range(96))  # every image once: 6 steps of 8 images per rank
@@ -111,17 +116,23 @@ def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the
 # ----------------------------------------------------------------------------- any image size
 
 
-@pytest.mark.parametrize("size, workers", [(16, 0), (30, 1)])
-def test_own_image_folders_of_any_size_train(tiny_stream, tmp_path, size, workers):
-    """tiny_stream's images (16x16 files) trained for 2 epochs at 16x16 (decoded by the ranks) and stretched to 30x30
-    (by a worker process per rank), the first line saying so."""
+@pytest.mark.parametrize("size, workers, loader", [(16, 0, "memory"), (30, 1, "stream, 1 worker(s) per rank")])
+def test_own_image_folders_of_any_size_train(tiny_stream, tmp_path, size, workers, loader):
+    """tiny_stream's images (16x16 files) trained for 2 epochs at 16x16 (decoded into memory by the ranks) and
+    stretched to 30x30 (streamed, by a worker process per rank), the first line saying so."""
+    env = clean_env(TEST_STREAM="1" if workers else "")
     run = launch(
-        *tiny_stream, f"--image_size={size}", f"--num_workers={workers}", "--epochs=2", f"--output_dir={tmp_path}"
+        *tiny_stream,
+        f"--image_size={size}",
+        f"--num_workers={workers}",
+        "--epochs=2",
+        f"--output_dir={tmp_path}",
+        env=env,
     )
     out, err = run.communicate(timeout=HANG_TIMEOUT)
     assert run.returncode == 0 and err == "", err
     stretched = " (16x16 stretched to 30x30)" if size == 30 else ""
-    assert f"300 train, 60 test images on imagefolder{stretched} | loader stream, {workers} worker(s) per rank |" in out
+    assert f"300 train, 60 test images on imagefolder{stretched} | loader {loader} |" in out
     assert csv_rows(tmp_path) == 2
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert checkpoint["data"]["image_size"] == size and f"of {size}x{size}" in checkpoint["data"]["identity"]
@@ -176,7 +187,11 @@ def test_workers_come_from_a_fork_server_hold_no_lock_and_end_with_their_rank(ti
     folder, pids = tmp_path / "out", tmp_path / "pids"
     pids.mkdir()
     run = launch(
-        *tiny_stream, "--num_workers=1", "--epochs=30", f"--output_dir={folder}", env=clean_env(TEST_PIDS=str(pids))
+        *tiny_stream,
+        "--num_workers=1",
+        "--epochs=30",
+        f"--output_dir={folder}",
+        env=clean_env(TEST_PIDS=str(pids), TEST_STREAM="1"),
     )
     wait_for_rows(folder, 1, run)  # an evaluation has run: both readers' workers exist
     ranks = recorded_ranks(pids)
@@ -201,13 +216,53 @@ def command_of(pid: int) -> str:
 # ----------------------------------------------------------------------------- a file that stops decoding
 
 
-def test_a_file_that_turns_unreadable_mid_run_is_left_out_and_named_and_the_run_goes_on(tiny_stream, tmp_path):
-    """A training image and a test image cut short (their headers whole) once the run has trained an epoch: every pass
-    that meets one leaves it out and says so in a line naming it, the test accuracy over the images it could read; the
-    run finishes."""
+def test_in_memory_an_unreadable_file_is_left_out_once_and_a_file_spoiled_later_no_longer_matters(
+    tiny_stream, tmp_path
+):
+    """The folder fits in memory: a training image unreadable from the start is left out of the run, named once; a
+    training and a test image cut short once the run has trained an epoch are never read again (the accuracy is over
+    all 60 test images); the run finishes."""
     images, folder = tmp_path / "images", tmp_path / "out"
     shutil.copytree(data_dir(tiny_stream), images)
-    run = launch(*tiny_stream, f"--data_dir={images}", "--epochs=4", f"--output_dir={folder}")
+    broken = images / "train" / "a" / "0002.png"
+    broken.write_bytes(broken.read_bytes()[:100])
+    run = launch(*tiny_stream, f"--data_dir={images}", "--epochs=3", f"--output_dir={folder}")
+    wait_for_rows(folder, 1, run)
+    for path in (images / "train" / "b" / "0001.png", images / "test" / "b" / "0001.png"):
+        path.write_bytes(path.read_bytes()[:100])
+    out, err = run.communicate(timeout=HANG_TIMEOUT)
+    assert run.returncode == 0 and csv_rows(folder) == 3, err
+    assert "299 train, 60 test images on imagefolder | loader memory |" in out
+    assert lines(err) == [f"warning: 1 of 300 images cannot be read: {broken}; left out of the run"], err
+    acc = pd.read_csv(folder / "pytorch_res.csv")["acc"]
+    assert all(abs(a * 60 - round(a * 60)) < 1e-6 for a in acc), acc  # shares of 60 images
+
+
+def test_in_memory_a_folder_with_too_many_unreadable_files_stops_every_rank_before_training_in_one_line(
+    tiny_stream, tmp_path
+):
+    images, folder = tmp_path / "images", tmp_path / "out"
+    shutil.copytree(data_dir(tiny_stream), images)
+    damaged = sorted((images / "test" / "a").glob("*.png"))[:7]
+    for path in damaged:
+        path.write_bytes(b"")
+    result = launch(*tiny_stream, f"--data_dir={images}", f"--output_dir={folder}")
+    out, err = result.communicate(timeout=HANG_TIMEOUT)
+    assert result.returncode == 2 and out == "" and csv_rows(folder) == 0, err
+    assert lines(err) == [
+        f"error: 7 of 60 images cannot be read: {', '.join(map(str, damaged[:3]))} and 4 more; put back good copies "
+        "and resume; it stopped before any epoch finished; nothing to resume: start the run again"
+    ]
+
+
+def test_a_file_that_turns_unreadable_mid_run_is_left_out_and_named_and_the_run_goes_on(tiny_stream, tmp_path):
+    """Streamed: a training image and a test image cut short (their headers whole) once the run has trained an epoch:
+    every pass that meets one leaves it out and says so in a line naming it, the test accuracy over the images it
+    could read; the run finishes."""
+    images, folder = tmp_path / "images", tmp_path / "out"
+    shutil.copytree(data_dir(tiny_stream), images)
+    env = clean_env(TEST_STREAM="1")
+    run = launch(*tiny_stream, f"--data_dir={images}", "--epochs=4", f"--output_dir={folder}", env=env)
     wait_for_rows(folder, 1, run)
     damaged = [images / "train" / "b" / "0001.png", images / "test" / "b" / "0001.png"]
     for path in damaged:
@@ -226,12 +281,12 @@ def test_a_file_that_turns_unreadable_mid_run_is_left_out_and_named_and_the_run_
 def test_a_pass_with_too_many_unreadable_files_while_the_last_epochs_files_are_written_names_those_files(
     tiny_stream, tmp_path
 ):
-    """Epoch 1's files take 2 s to write (TEST_SLOW_EPOCH); meanwhile epoch 2's evaluation meets 7 of the 60 test
-    images cut short, more than a tenth: the data is gone rather than one file. Every rank stops, and the line names
-    the epoch whose files the run leaves: epoch 1's, finished first."""
+    """Streamed: epoch 1's files take 2 s to write (TEST_SLOW_EPOCH); meanwhile epoch 2's evaluation meets 7 of the 60
+    test images cut short, more than a tenth: the data is gone rather than one file. Every rank stops, and the line
+    names the epoch whose files the run leaves: epoch 1's, finished first."""
     images, folder, marker = tmp_path / "images", tmp_path / "out", tmp_path / "writing"
     shutil.copytree(data_dir(tiny_stream), images)
-    env = clean_env(TEST_SLOW_EPOCH="1", TEST_MARKER=str(marker))
+    env = clean_env(TEST_SLOW_EPOCH="1", TEST_MARKER=str(marker), TEST_STREAM="1")
     run = launch(*tiny_stream, f"--data_dir={images}", "--epochs=8", f"--output_dir={folder}", env=env)
     deadline = time.monotonic() + HANG_TIMEOUT
     while not marker.exists():  # epoch 2 trains; its evaluation reads the test images next
