@@ -9,6 +9,7 @@ environment asks, and ranks forked from the launcher inherit them):
     TEST_DROPOUT=0.3                      make_model's network gets dropout on its input: randomness in forward
     TEST_OWN_NETWORK=8                    the template's own ResNet of this width, whatever make_model returns now
     TEST_PROGRESS_SECONDS=0               an epoch's progress line in a log file this often (a minute otherwise)
+    TEST_OUT_OF_MEMORY=2                  rank 0 runs out of GPU memory (torch's error) as epoch 2 begins
     TEST_STREAM=1                         image folders stream from their files, as those too large for memory do
 """
 
@@ -17,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+import torch
 from torch import nn
 
 import data
@@ -24,13 +26,19 @@ import train_distribute
 from resnet import ResNet
 from safeguards import files
 
+OUT_OF_MEMORY = (  # as torch says it, where another process holds most of the GPU's memory
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which 1.12 GiB is "
+    "free. Process 4242 has 120.00 GiB memory in use. Of the allocated memory 17.50 GiB is allocated by PyTorch (test)"
+)
+
 
 def install_hooks() -> None:
-    write, build_run, make_model, main_worker = (
+    write, build_run, make_model, main_worker, train_epoch = (
         files.ResultWriter._write,
         train_distribute.build_run,
         train_distribute.make_model,
         train_distribute.main_worker,
+        train_distribute.train_epoch,
     )
 
     def hooked_write(self, snapshot: dict, history: list) -> None:
@@ -54,6 +62,11 @@ def install_hooks() -> None:
             model = nn.Sequential(nn.Dropout(float(os.environ["TEST_DROPOUT"])), model)
         return model
 
+    def hooked_train_epoch(run, epoch: int):
+        if run.info.rank == 0 and epoch == int(os.environ.get("TEST_OUT_OF_MEMORY", "0")):
+            raise torch.cuda.OutOfMemoryError(OUT_OF_MEMORY)
+        return train_epoch(run, epoch)
+
     def hooked_main_worker(cfg) -> None:
         if os.environ.get("TEST_PIDS"):
             Path(os.environ["TEST_PIDS"], f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
@@ -67,3 +80,4 @@ def install_hooks() -> None:
     train_distribute.build_run = hooked_build_run
     train_distribute.make_model = hooked_make_model
     train_distribute.main_worker = hooked_main_worker
+    train_distribute.train_epoch = hooked_train_epoch

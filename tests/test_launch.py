@@ -246,6 +246,19 @@ def test_a_rank_that_raises_prints_its_traceback_and_the_launcher_names_it(tmp_p
     assert lines(err)[-1].startswith(f"error: rank 1 failed with RuntimeError: {bug}; stopped the other ranks")
 
 
+def test_a_rank_out_of_gpu_memory_in_epoch_2_ends_in_one_line_naming_the_way_on_and_epoch_1s_files_stay(tmp_path):
+    """As when another process takes the GPU's memory after epoch 1 (TEST_OUT_OF_MEMORY: torch's error on rank 0)."""
+    run = launch(*TINY, "--epochs=3", f"--output_dir={tmp_path}", env=clean_env(TEST_OUT_OF_MEMORY="2"))
+    _, err = run.communicate(timeout=HANG_TIMEOUT)
+    assert run.returncode == 1 and checkpoint_epoch(tmp_path) == 1, err
+    assert lines(err) == [
+        "error: rank 0 ran out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+        "capacity of 139.81 GiB of which 1.12 GiB is free. Process 4242 has 120.00 GiB memory in use); resume with "
+        "--accumulate 2 or more, or start anew with a smaller --batch_size; stopped the other ranks; "
+        f"the files in {tmp_path} are from epoch 1: continue with --resume True"
+    ]
+
+
 def ranks_left_after_a_while(ranks: list[int]) -> list[int]:
     """The ranks still alive STOP_WITHIN seconds from now, or as soon as none is."""
     deadline = time.monotonic() + STOP_WITHIN
