@@ -54,6 +54,8 @@ def prepare(cfg: SimpleNamespace) -> None:
     if cfg.DATASET != "cifar10":
         return
     try:
+    if os.path.isdir(own := os.path.join(cfg.DATA_DIR, "train")) and any(e.is_dir() for e in os.scandir(own)):
+        raise UserError(f"DATA_DIR {cfg.DATA_DIR} holds train/<class>/ folders, no CIFAR-10; add --dataset imagefolder")
         os.makedirs(cfg.DATA_DIR, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create DATA_DIR {cfg.DATA_DIR} ({e.strerror}); point --data_dir elsewhere") from None
@@ -134,10 +136,8 @@ def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tu
 
 
 def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, int]]]:
-    """Class names (sorted sub-folder names) and (path, label) of every image in them, in sub-folders too
-    (torchvision's listing). Names that start with a dot are skipped (.ipynb_checkpoints, macOS's ._ files)."""
-    from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
-
+    """Class names (sorted sub-folder names, none that starts with a dot) and (path, label) of every image in them, in
+    sub-folders too, in torchvision's order."""
     root = os.path.join(data_dir, split)
     if not os.path.isdir(root):
         problem = f"has no {split}/ folder" if os.path.isdir(data_dir) else "does not exist"
@@ -145,21 +145,26 @@ def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, i
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise UserError(f"{root} holds no class folders; put one sub-folder per class in it, with the images inside")
-
-    def is_image(path: str) -> bool:
-        hidden = any(part.startswith(".") for part in os.path.relpath(path, root).split(os.sep))
-        return path.lower().endswith(IMG_EXTENSIONS) and not hidden
-
-    try:
-        samples = make_dataset(root, {name: label for label, name in enumerate(classes)}, is_valid_file=is_image)
-    except FileNotFoundError as e:  # a class without images
-        raise UserError(f"{root}: {first_line(e).rstrip('.')}; every class needs images in train/ and test/") from None
+    samples = [(path, label) for label, name in enumerate(classes) for path in image_files(os.path.join(root, name))]
+    if empty := sorted(set(classes) - {classes[label] for _, label in samples}):
+        found = f"Found no valid file for the classes {', '.join(empty)}"
+        raise UserError(f"{root}: {found}; every class needs images in train/ and test/")
     if broken := next((path for path, _ in samples if not os.path.exists(path)), None):
         raise UserError(f"{broken} is a link to nothing; remove it or put back what it points to")
     return classes, samples
 
 
 def folder_digest(data_dir: str, samples: list[tuple[str, int]]) -> str:
+def image_files(folder: str) -> list[str]:
+    """Training's listing, and predict.py's: the files below `folder` (sub-folders, links too) with an image extension
+    and no name on the way that starts with a dot (.ipynb_checkpoints, macOS's ._ files), in torchvision's order."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    found = [os.path.join(top, n) for top, _, names in sorted(os.walk(folder, followlinks=True)) for n in sorted(names)]
+    hidden = [f"{os.sep}." in os.sep + os.path.relpath(path, folder) for path in found]
+    return [path for path, h in zip(found, hidden, strict=True) if path.lower().endswith(IMG_EXTENSIONS) and not h]
+
+
     """An image folder's identity without reading an image: every file's name, class and byte size (not its time:
     copies on other machines must agree). A file replaced by another of the same name and size is not noticed."""
     listing = "".join(f"{os.path.relpath(path, data_dir)} {label} {os.path.getsize(path)}\n" for path, label in samples)

@@ -2,13 +2,14 @@
 
     python predict.py output/checkpoint.pt photo.png more_photos/ > predictions.csv
 
-Each PATH is an image file, or a folder searched (sub-folders too) for files with the extensions training reads.
-Prints CSV (UTF-8): path,class,probability, one row per image, sorted by path; messages go to stderr, and when every
-image lies in a folder named after one of the classes (a run's test/ folder, say), `accuracy A on N images`. In code:
+Each PATH is an image file, or a folder listed as training lists one (sub-folders too; hidden and ._ files skipped).
+Prints CSV (UTF-8): path,class,probability, one row per image, sorted by path; messages go to stderr, and `accuracy A
+on N images` over the images whose first folder below a PATH names a class (a run's test/, say). In code:
 
     from predict import Classifier
     classifier = Classifier("output/checkpoint.pt")  # network, weights, preprocessing and class names
     probabilities = classifier(["photo.png"])        # images x classes; classifier.classes names the columns
+    classifier.module                                # the same from decoded images, to save with torch.export
 """
 
 import csv
@@ -36,8 +37,7 @@ class Classifier:
         if not (isinstance(saved, dict) and {"model", "config", "data"} <= saved.keys()):
             raise UserError(f"{path} is not a checkpoint of train_distribute.py; give a run's checkpoint.pt")
         cfg = SimpleNamespace(**{**vars(settings.read(train_distribute, [])), **saved["config"]})
-        record, self.tta = saved["data"], cfg.TTA
-        self.classes, self.image_size = list(record["classes"]), int(record["image_size"])
+        self.classes, self.image_size = list(saved["data"]["classes"]), int(saved["data"]["image_size"])
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = train_distribute.make_model(cfg, len(self.classes))
         if differs := start.compare_weights(self.model, saved["model"])[1]:
@@ -45,8 +45,9 @@ class Classifier:
                 f"{path} holds another network than make_model builds ({differs}); use the code that made it"
             )
         self.model.load_state_dict(saved["model"])
-        self.model.to(self.device, memory_format=torch.channels_last).eval()
-        self.loader = data.Loader(False, record["mean"], record["std"], self.device, torch.channels_last)
+        self.model.to(self.device).eval()  # fp32: channels_last gains little, and an export saves plain tensors
+        loader = data.Loader(False, saved["data"]["mean"], saved["data"]["std"], self.device, torch.contiguous_format)
+        self.module = Evaluation(self.model, loader, cfg.TTA)  # what predict.py computes, as one module to ship
 
     def __call__(self, paths: list[str]) -> torch.Tensor:
         """The class probabilities of image files, one row per file."""
@@ -55,24 +56,35 @@ class Classifier:
     @torch.no_grad()
     def probabilities(self, pixels: torch.Tensor) -> torch.Tensor:
         """The softmax of the logits the run's evaluation uses, for uint8 images (N, IMAGE_SIZE, IMAGE_SIZE, 3)."""
-        x = self.loader.prepare(pixels.to(self.device))
-        return train_distribute.eval_logits(self.model, x, self.tta).softmax(dim=1).cpu()
+        return self.module(pixels.to(self.device)).cpu()
 
 
-def image_paths(paths: list[str]) -> list[str]:
-    """Every image PATH names, sorted: a file as given, a folder's files with training's image extensions."""
+class Evaluation(torch.nn.Module):
+    """The run's evaluation of uint8 images (N, IMAGE_SIZE, IMAGE_SIZE, 3), normalisation and TTA included, to ship."""
+
+    def __init__(self, model: torch.nn.Module, loader: data.Loader, tta: bool) -> None:
+        super().__init__()
+        self.model, self.loader, self.tta = model, loader, tta
+        self.register_buffer("mean", loader.mean)  # the loader's, so that an export holds them as buffers
+        self.register_buffer("std", loader.std)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return train_distribute.eval_logits(self.model, self.loader.prepare(pixels), self.tta).softmax(dim=1)
+
+
+def image_paths(paths: list[str]) -> dict[str, str]:
+    """Every image PATH names, sorted, listed as training lists them, with its class: its first folder below a PATH."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
-    found = []
+    found = {}
     for path in paths:
         if not os.path.exists(path):
             raise UserError(f"{path} does not exist; give image files, or folders of them")
-        walk = os.walk(path, followlinks=True) if os.path.isdir(path) else [("", [], [path])]
-        images = [os.path.join(top, n) for top, _, names in walk for n in names if n.lower().endswith(IMG_EXTENSIONS)]
+        images = data.image_files(path) if os.path.isdir(path) else [path] * path.lower().endswith(IMG_EXTENSIONS)
         if not images:
             raise UserError(f"{path} is no image and holds none ({' '.join(IMG_EXTENSIONS)}); give images or folders")
-        found += images
-    return sorted(set(found))
+        found |= {image: (os.path.relpath(image, path).split(os.sep)[:-1] or [""])[0] for image in images}
+    return dict(sorted(found.items()))
 
 
 def main(argv: list[str]) -> int:
@@ -80,24 +92,23 @@ def main(argv: list[str]) -> int:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     try:
-        classifier, paths = Classifier(argv[0]), image_paths(argv[1:])
-        files, probabilities, marks = data.ImageFiles([(p, 0) for p in paths], classifier.image_size), [], []
+        classifier, listed = Classifier(argv[0]), image_paths(argv[1:])
+        files, probabilities, marks = data.ImageFiles([(p, 0) for p in listed], classifier.image_size), [], []
         for pixels, _, marked in data.reader(files, 256, None, workers=0, pin=False):  # 256 a pass; unreadable: marked
             probabilities.append(classifier.probabilities(pixels))
             marks.append(marked)
         readable = (torch.cat(marks) < 0).tolist()
-        found = [(path, p) for path, p, ok in zip(paths, torch.cat(probabilities), readable, strict=True) if ok]
+        found = [(path, p) for path, p, ok in zip(listed, torch.cat(probabilities), readable, strict=True) if ok]
         if not found:
             raise UserError("none of the images could be read; give image files that open as images")
-        if skipped := [path for path, ok in zip(paths, readable, strict=True) if not ok]:
+        if skipped := [path for path, ok in zip(listed, readable, strict=True) if not ok]:
             print(f"warning: skipped {len(skipped)} file(s) that are no images: {skipped[0]}", file=sys.stderr)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = [[path, classifier.classes[p.argmax()], f"{p.max():.6f}"] for path, p in found]
-    if all(os.path.basename(os.path.dirname(path)) in classifier.classes for path, _ in found):  # labelled images
-        right = sum(os.path.basename(os.path.dirname(path)) == name for path, name, _ in rows)
-        print(f"accuracy {right / len(rows):.4f} on {len(rows):,} images", file=sys.stderr)
+    if labelled := [name == listed[path] for path, name, _ in rows if listed[path] in classifier.classes]:
+        print(f"accuracy {sum(labelled) / len(labelled):.4f} on {len(labelled):,} images", file=sys.stderr)
     try:
         sys.stdout.reconfigure(encoding="utf-8")
         csv.writer(sys.stdout, lineterminator="\n").writerows([["path", "class", "probability"], *rows])

@@ -125,15 +125,12 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
 def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     """The epochs: train, evaluate, report; rank 0 hands each epoch's files to a background writer."""
     cfg, info, started = run.cfg, run.info, time.perf_counter()
-    if info.is_main:  # DDP: rank 0 alone prints and writes files
-        print(
-            files.describe(
-                run.model, cfg, info, run.data, run.train_data.steps_per_epoch(cfg.BATCH_SIZE), run.precision
-            )
-        )
-    # a resumed run: the checkpoint's weights, optimizer state and rows, once its data and network are checked; a new
-    # one with INIT_FROM (fine-tuning): that run's weights where their names and shapes are the network's
+    # a resumed run: the checkpoint's weights, optimizer state and rows, once its data and network are checked (a
+    # refusal is the run's only line); a new one with INIT_FROM (fine-tuning): that run's weights that fit
     history = start.restore(checkpoint, run.model, run.optimizer, run.data["identity"], cfg)
+    if info.is_main:  # DDP: rank 0 alone prints and writes files
+        steps = run.train_data.steps_per_epoch(cfg.BATCH_SIZE)
+        print(files.describe(run.model, cfg, info, run.data, steps, run.precision))
     # the files of each epoch (and TensorBoard's, which a resume continues from its first epoch), in the background
     writer = files.ResultWriter(cfg.OUTPUT_DIR, cfg.TENSORBOARD, len(history) + 1) if info.is_main else None
     earlier_seconds = history[-1]["elapsed_seconds"] if history else 0.0  # a resumed run's clock goes on

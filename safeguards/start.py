@@ -87,8 +87,7 @@ def all_ranks_begin(cfg: SimpleNamespace, info: DistInfo) -> tuple[str, dict[str
 
 
 def _begin(cfg: SimpleNamespace, restart: str) -> tuple[str, dict[str, Any] | None, SimpleNamespace]:
-    """Rank 0: the decision. A new run moves earlier results aside; a resumed one rewrites the CSV from its checkpoint
-    (rows written after it belong to an epoch that runs again)."""
+    """Rank 0: the decision. A new run moves earlier results aside; a resumed one's lines wait for its checks."""
     kind, cfg, lines = decide(cfg, saved := _read(cfg, restart), restart)
     if kind == "finished":
         return kind, None, cfg
@@ -98,17 +97,16 @@ def _begin(cfg: SimpleNamespace, restart: str) -> tuple[str, dict[str, Any] | No
         os.remove(name)
     if kind == "new" and (moved := move_aside(cfg.OUTPUT_DIR)):
         print(f"moved the earlier run's results in {cfg.OUTPUT_DIR} to {moved}")
-    if kind == "resume":
-        files.write_csv(saved["history"], cfg.OUTPUT_DIR)
-        print("\n".join([f"resuming after epoch {saved['epoch']} of {cfg.EPOCHS}", *lines]), flush=True)
+    if kind == "resume":  # said, and the CSV rewritten, once its data and network are checked (restore)
+        saved["told"] = [f"resuming after epoch {saved['epoch']} of {cfg.EPOCHS}", *lines]
     failures.tell_kept_files(lambda: kept_files(cfg.OUTPUT_DIR))
     return kind, saved if kind == "resume" else None, cfg
 
 
 def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, identity: str, cfg: Any) -> list[dict]:
-    """Every rank alike, before anything changes: the checkpoint's data (`identity`) and network are this run's. Loads
-    the weights and optimizer state; returns the rows of the epochs done ([] for a new run), which the loop extends. A
-    new run with INIT_FROM starts from that checkpoint's tensors whose names and shapes the network has."""
+    """Every rank alike, before anything is said or changed: the checkpoint's data (`identity`) and network are this
+    run's. Loads the weights and optimizer state, then rank 0 says it resumes and rewrites the CSV (later rows are of
+    an epoch that runs again); returns the rows of the epochs done ([] for a new run, which INIT_FROM may start)."""
     history: list[dict] = []
     folder = cfg.OUTPUT_DIR
     if dist.get_rank() != 0:  # rank 0 reads its files; the others know what every rank saw written: the rows before
@@ -131,6 +129,9 @@ def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, ide
         group.update(fused=current.get("fused"), foreach=current.get("foreach"))  # this machine's kernels
     optimizer.load_state_dict(checkpoint["optimizer"])
     history.extend(checkpoint["history"])
+    if dist.get_rank() == 0:
+        files.write_csv(history, folder)
+        print("\n".join(checkpoint["told"]), flush=True)
     return history
 
 
@@ -146,21 +147,27 @@ def compare_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) ->
 
 def init_from(model: torch.nn.Module, path: str) -> None:
     """Fine-tuning: the tensors of another run's checkpoint whose names and shapes the network has; the rest (a new
-    head for other classes, say) stay as built. Refused in one line when none fits."""
+    head for other classes, say) stay as built. Refused when they hold less than half of the network's parameters."""
     try:
         weights = torch.load(path, map_location="cpu", weights_only=True)["model"]
     except Exception as e:
         why = failures.first_line(e, 80)
         raise UserError(f"cannot read INIT_FROM {path} ({why}); give a run's checkpoint.pt") from None
-    fits, differs = compare_weights(model, weights)
-    if not fits:
-        raise UserError(f"INIT_FROM {path} holds no tensor of this network ({differs}); give a similar network's")
+    fits, parameters = compare_weights(model, weights)[0], dict(model.named_parameters())
+    left = [name for name in parameters if name not in fits]
+    loaded, total = (sum(p.numel() for n, p in parameters.items() if n in names) for names in (fits, parameters))
+    if loaded < total / 2:
+        there = f"{list(weights[left[0]].shape)} in it" if left[0] in weights else "not in it"
+        first = f"first mismatch {left[0]}: {there}, {list(parameters[left[0]].shape)} in the network"
+        raise UserError(
+            f"INIT_FROM {path} fits {loaded:,} of the network's {total:,} parameters ({first}); give a checkpoint of "
+            "this network (the same layers and widths; the head may differ)"
+        )
     model.load_state_dict(fits, strict=False)
     if dist.get_rank() == 0:
-        left = [name for name in model.state_dict() if name not in fits]
         named = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
-        kept = f"; left as built (no tensor of that name and shape): {named}" if left else ""
-        print(f"fine-tuning from {path}: {len(fits)} of {len(model.state_dict())} tensors loaded{kept}", flush=True)
+        kept = f"; left as built: {named}" if left else ""
+        print(f"fine-tuning from {path}: {loaded:,} of {total:,} parameters loaded{kept}", flush=True)
 
 
 def move_aside(output_dir: str) -> str | None:

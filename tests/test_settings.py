@@ -1,5 +1,5 @@
 """The settings block at the top of train_distribute.py as the command line (safeguards/settings.py), the resume rule
-over the settings, and the learning-rate schedule. In-process: no ranks."""
+over the settings, DATASET against DATA_DIR, and the learning-rate schedule. In-process: no ranks."""
 
 import importlib.util
 import os
@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+import data
 import train_distribute as td
 from safeguards import settings
 from safeguards.failures import UserError
-from tests.conftest import ROOT, SCRIPT, SETTINGS, python_path, read_config
+from tests.conftest import ROOT, SCRIPT, SETTINGS, python_path, read_config, snapshot
 
 RESTART = "TORCHELASTIC_RESTART_COUNT=1"
 
@@ -163,6 +164,20 @@ def test_a_wrong_value_in_the_file_itself_is_named(tmp_path, monkeypatch, old, n
 def test_a_copy_of_the_file_with_good_values_reads_its_own_defaults(tmp_path, monkeypatch):
     script = edited_copy(tmp_path, monkeypatch, "EPOCHS: int = 30", "EPOCHS: int = 7")
     assert settings.read(script, []).EPOCHS == 7 and settings.read(script, ["--epochs=2"]).EPOCHS == 2
+
+
+def test_cifar10_with_an_image_folder_for_data_dir_is_refused_before_anything_is_written_there(tmp_path):
+    """DATASET=cifar10 (the default) where --dataset imagefolder was meant: no download, no lock file among the
+    user's images. data.prepare runs in the launcher, and under torchrun in every rank."""
+    (tmp_path / "train" / "cat").mkdir(parents=True)
+    (tmp_path / "train" / "cat" / "0.png").write_bytes(b"an image")
+    before = snapshot(tmp_path)
+    with pytest.raises(UserError) as refusal:
+        data.prepare(read_config([f"--data_dir={tmp_path}"]))
+    assert str(refusal.value) == (
+        f"DATA_DIR {tmp_path} holds train/<class>/ folders, no CIFAR-10; add --dataset imagefolder"
+    )
+    assert snapshot(tmp_path) == before
 
 
 def test_every_setting_is_read_somewhere_besides_the_settings_module():

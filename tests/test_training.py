@@ -491,10 +491,12 @@ def test_a_resume_with_another_network_is_refused_in_one_line_saying_what_differ
     copy_stopped_after(reference_run[0], folder, epoch=2)
     before = results(folder)
     result = run_script(f"--output_dir={folder}", "--resume", env=clean_env(TEST_OWN_NETWORK="4"))
-    (line,) = lines(result.stderr)
-    assert result.returncode == 2 and line.startswith(f"error: the checkpoint in {folder} is of another network ("), (
-        line
-    )
+    (line,) = lines(result.stderr)  # the only line: no "resuming", no first line before it
+    assert (
+        result.returncode == 2
+        and result.stdout == ""
+        and line.startswith(f"error: the checkpoint in {folder} is of another network (")
+    ), line
     assert "of make_model's 86 tensors not in it by name and shape (first stem.0.weight [4, 3, 3, 3]), " in line
     assert " unknown (first " in line and line.endswith(
         "); resume with the network that wrote it, or start a new run in another --output_dir"
@@ -502,19 +504,32 @@ def test_a_resume_with_another_network_is_refused_in_one_line_saying_what_differ
     assert results(folder) == before
 
 
-def test_fine_tuning_from_a_checkpoint_of_which_no_tensor_fits_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize("wider", [False, True])
+def test_fine_tuning_from_a_checkpoint_that_fits_less_than_half_the_parameters_is_refused_in_one_line(tmp_path, wider):
+    """A checkpoint with no name of the network's; or the same network at width 16 for 8, of the same classes: every
+    name, and in the same shape only the head's bias (10 of 151,274 parameters). Nothing is said first."""
+    if wider and not width(16):
+        pytest.skip("the network has no WIDTH setting to double")
     other = tmp_path / "other.pt"
-    torch.save({"model": nn.Linear(3, 2).state_dict()}, other)  # no name of the network's
+    weights = train_distribute.make_model(read_config([*TINY, *width(16)]), 10) if wider else nn.Linear(3, 2)
+    torch.save({"model": weights.state_dict()}, other)
     result = run_script(*TINY, f"--init_from={other}", f"--output_dir={tmp_path / 'out'}")
-    assert result.returncode == 2 and result.stdout.count("\n") == 1, result.stdout  # the first line, then no epoch
+    name, first = next(iter(train_distribute.make_model(read_config(TINY), 10).named_parameters()))
+    fits = "10 of the network's 151,274" if wider else "0 of the network's "
+    mismatch = (
+        "stem.0.weight: [16, 3, 3, 3] in it, [8, 3, 3, 3]" if wider else f"{name}: not in it, {list(first.shape)}"
+    )
+    assert result.returncode == 2 and result.stdout == "", result.stdout
     (line,) = lines(result.stderr)
-    assert line.startswith(f"error: INIT_FROM {other} holds no tensor of this network (") and line.endswith(
-        ", 2 unknown (first weight [2, 3])); give a similar network's"
+    assert line.startswith(f"error: INIT_FROM {other} fits {fits}") and line.endswith(
+        f" parameters (first mismatch {mismatch} in the network); give a checkpoint of this network (the same layers "
+        "and widths; the head may differ)"
     ), line
 
 
 def test_a_resume_on_other_images_of_the_same_count_and_classes_is_refused(tmp_path):
-    """An image folder is known by its files' names, classes and byte sizes: one file grown by a byte is other data."""
+    """An image folder is known by its files' names, classes and byte sizes: one file grown by a byte is other data.
+    The refusal is the run's only line: no "resuming", no first line before it."""
     images, folder = tmp_path / "images", tmp_path / "out"
     image_folder_of_noise(images, train=16, test=4, size=8)
     args = ["--dataset=imagefolder", f"--data_dir={images}", "--image_size=8", *width(4), "--batch_size=8"]
@@ -523,12 +538,20 @@ def test_a_resume_on_other_images_of_the_same_count_and_classes_is_refused(tmp_p
     assert first.returncode == 0, first.stderr
     cut_back(folder, epoch=1)
     before = results(folder)
-    changed = images / "train" / "a" / "0000.png"
-    changed.write_bytes(changed.read_bytes() + b"\0")  # still an image, of another size in bytes
-    second = run_script(*args, "--epochs=2", f"--output_dir={folder}", "--resume=True")
-    assert second.returncode == 2, second.stderr
-    assert len(lines(second.stderr)) == 1 and second.stderr.startswith(
-        f"error: the checkpoint in {folder} was trained on other data ("
+    from data import folder_digest, list_folder
+
+    changed, was = (
+        images / "train" / "a" / "0000.png",
+        torch.load(folder / "checkpoint.pt", weights_only=True)["data"]["identity"],
     )
-    assert "resume on the same data, or start a new run without --resume" in second.stderr
+    listed = [*list_folder(str(images), "train")[1], *list_folder(str(images), "test")[1]]
+    digest = folder_digest(str(images), listed)
+    changed.write_bytes(changed.read_bytes() + b"\0")  # still an image, of another size in bytes
+    now = was.replace(digest, folder_digest(str(images), listed))
+    assert digest in was and now != was
+    second = run_script(*args, "--epochs=2", f"--output_dir={folder}", "--resume=True")
+    assert (second.returncode, second.stdout) == (2, "") and second.stderr == (
+        f"error: the checkpoint in {folder} was trained on other data ({was}, now {now}); resume on the same data, or "
+        "start a new run without --resume\n"
+    )
     assert results(folder) == before
