@@ -53,9 +53,9 @@ def prepare(cfg: SimpleNamespace) -> None:
             raise UserError(f"{cfg.DATA_DIR}/train and test/ hold other classes ({differ}); give both the same folders")
     if cfg.DATASET != "cifar10":
         return
-    try:
     if os.path.isdir(own := os.path.join(cfg.DATA_DIR, "train")) and any(e.is_dir() for e in os.scandir(own)):
         raise UserError(f"DATA_DIR {cfg.DATA_DIR} holds train/<class>/ folders, no CIFAR-10; add --dataset imagefolder")
+    try:
         os.makedirs(cfg.DATA_DIR, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create DATA_DIR {cfg.DATA_DIR} ({e.strerror}); point --data_dir elsewhere") from None
@@ -154,7 +154,6 @@ def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, i
     return classes, samples
 
 
-def folder_digest(data_dir: str, samples: list[tuple[str, int]]) -> str:
 def image_files(folder: str) -> list[str]:
     """Training's listing, and predict.py's: the files below `folder` (sub-folders, links too) with an image extension
     and no name on the way that starts with a dot (.ipynb_checkpoints, macOS's ._ files), in torchvision's order."""
@@ -165,6 +164,7 @@ def image_files(folder: str) -> list[str]:
     return [path for path, h in zip(found, hidden, strict=True) if path.lower().endswith(IMG_EXTENSIONS) and not h]
 
 
+def folder_digest(data_dir: str, samples: list[tuple[str, int]]) -> str:
     """An image folder's identity without reading an image: every file's name, class and byte size (not its time:
     copies on other machines must agree). A file replaced by another of the same name and size is not noticed."""
     listing = "".join(f"{os.path.relpath(path, data_dir)} {label} {os.path.getsize(path)}\n" for path, label in samples)
