@@ -203,7 +203,7 @@ def outcome(error: BaseException) -> tuple[int, str]:
     if isinstance(error, UserError):
         return EXIT_MISTAKE, f"error: {error}"
     rank = os.environ.get("RANK", "0")
-    if isinstance(error, torch.cuda.OutOfMemoryError):  # another process took the memory, or the batch outgrew it
+    if isinstance(error, torch.cuda.OutOfMemoryError) or "CUDA error: out of memory" in str(error):  # or the driver
         said = ". ".join(first_line(error, 400).split(". ")[:4]).rstrip(".")  # torch's words, to who holds the memory
         how = "resume with --accumulate 2 or more, or start anew with a smaller --batch_size"
         return 1, f"error: rank {rank} ran out of GPU memory ({said}); {how}"

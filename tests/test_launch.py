@@ -259,6 +259,17 @@ def test_a_rank_out_of_gpu_memory_in_epoch_2_ends_in_one_line_naming_the_way_on_
     ]
 
 
+def test_out_of_gpu_memory_is_that_line_from_the_caching_allocator_and_from_the_driver():
+    """torch's own error, and the CUDA driver's where no cache stands between (PYTORCH_NO_CUDA_MEMORY_CACHING=1)."""
+    from tests.hooked_run import OUT_OF_MEMORY
+
+    how = "resume with --accumulate 2 or more, or start anew with a smaller --batch_size"
+    code, line = failures.outcome(torch.cuda.OutOfMemoryError(OUT_OF_MEMORY))
+    assert code == 1 and line.endswith(" is free. Process 4242 has 120.00 GiB memory in use); " + how), line
+    driver = RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported elsewhere")
+    assert failures.outcome(driver) == (1, f"error: rank 0 ran out of GPU memory (CUDA error: out of memory); {how}")
+
+
 def ranks_left_after_a_while(ranks: list[int]) -> list[int]:
     """The ranks still alive STOP_WITHIN seconds from now, or as soon as none is."""
     deadline = time.monotonic() + STOP_WITHIN
