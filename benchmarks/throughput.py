@@ -1,30 +1,40 @@
 """Training throughput: the seed's pipeline against this project's, in one run on one machine.
 
     python -m benchmarks.throughput                                  # CPU: 2 gloo ranks, width 64, batch 256
-    python -m benchmarks.throughput --world_size=1 --batch_size=512 --steps=50 --warmup=10   # one GPU
+    python -m benchmarks.throughput --world_size=1 --batch_size=512 --steps=60 --warmup=10   # one GPU
+    python -m benchmarks.throughput --steps 4 --width 8 --results out.json   # quick; figures saved as they come
 
 (a) seed:      the seed's pipeline re-implemented: DataLoader + DistributedSampler, per-image PIL -> ToTensor
                -> Normalize, fp32, Adam, DDP, no loader workers (as the seed runs it).
 (a') seed at its best: the same with loader workers, pinned memory and non-blocking copies: a fair baseline.
+(a'') seed at its best in bf16: (a') with bf16 autocast and the network and batches in channels_last, otherwise
+               unchanged: the baseline for the project's precision and layout.
 (b) project:   `python train_distribute.py --dataset=synthetic ...` as a user runs it, 2 epochs of --steps steps
                each; its figure is the images_per_second that the CSV reports for epoch 2 (epoch 1 is the warm-up).
                Also: launch to first epoch end, the wall clock from starting the command to its `epoch 1/2` line
                (interpreter, imports, checks, data, ranks, network, epoch 1's steps and evaluation), and the part of
                it before epoch 1 (that figure less epoch 1's epoch_seconds): the time to the first step.
+(b') project, compiled: the same command with --compile=True (on GPUs by default; --compiled yes/no decides). Its
+               compile time: the seconds its epoch 1 takes beyond the eager run's epoch 1.
 (c) ceiling:   one process, all cores (or one GPU per rank), no DDP and no data loading: forward + backward +
                step of the same network in the project's precision, layout and cudnn setting on one fixed
-               batch (compiled with --compile). (b)/(c) is the share of the ceiling the project reaches.
-Same network, global batch and world size for (a), (a') and (b). Prints images/s, ratios, and peak memory
-(the largest rank's: GPU memory allocated, or resident memory on CPU).
+               batch. (b)/(c) is the share of the ceiling the project reaches (on a GPU the seed can beat it).
+Same network, global batch and world size for (a), (a'), (a'') and (b). Prints images/s, ratios to (a') and (a''),
+peak memory (the largest rank's: GPU memory allocated, or resident memory on CPU) and, on a GPU with a known peak,
+model FLOPs utilisation (training FLOPs per image counted by torch's FlopCounterMode, against the dense bf16 peak).
+The seed's ranks are forked from this process before it computes anything or sets any torch setting; the project
+runs as its own command. --results FILE keeps every figure so far in a JSON file, rewritten after each one.
 """
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
@@ -54,11 +64,36 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--world_size", type=int, default=0, help="0: every GPU, or 2 CPU processes")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (seed pipeline and ceiling)")
-    parser.add_argument("--compile", action="store_true", help="run (b) and (c) compiled")
+    parser.add_argument("--compiled", choices=["auto", "yes", "no"], default="auto", help="(b') too; auto: on GPUs")
     parser.add_argument("--amp", default="True", help="False: (b) and (c) in fp32 even where bf16 is fast")
     parser.add_argument("--skip_seed", action="store_true", help="only (b) and (c)")
     parser.add_argument("--optimizer", default="", help="(b) and (c) with this OPTIMIZER, not the default one")
+    parser.add_argument("--results", default="", help="a JSON file of the figures so far, rewritten after each one")
     return parser.parse_args()
+
+
+class Results:
+    """Each figure printed as it comes, and kept in --results (rewritten whole: a cut run leaves the figures so far)."""
+
+    def __init__(self, path: str, flops_per_image: float, peak_tflops: float | None, world_size: int) -> None:
+        self.path, self.flops, self.peak, self.world_size, self.figures = (
+            path,
+            flops_per_image,
+            peak_tflops,
+            world_size,
+            {},
+        )
+
+    def mfu(self, images_per_second: float) -> str:
+        if not self.peak:
+            return ""
+        return f"   MFU {100 * images_per_second * self.flops / (self.world_size * self.peak * 1e12):4.1f}%"
+
+    def add(self, key: str, line: str, **figures: Any) -> None:
+        print(line + (self.mfu(figures["images_per_second"]) if "images_per_second" in figures else ""), flush=True)
+        self.figures[key] = figures
+        if self.path:
+            Path(self.path).write_text(json.dumps(self.figures, indent=1))
 
 
 def gpu_count() -> int:
@@ -106,12 +141,13 @@ class PilImages(Dataset):
         return self.transform(Image.fromarray(self.pixels[i])), self.labels[i]
 
 
-def seed_pipeline_rank(args: argparse.Namespace, best: bool, result_path: str) -> None:
+def seed_pipeline_rank(args: argparse.Namespace, best: bool, result_path: str, bf16: bool = False) -> None:
     """One rank of the seed's pipeline (started by run_distribute): its line and exit code as the project's ranks."""
-    failures.run_rank(lambda: seed_pipeline(args, best, result_path))
+    failures.run_rank(lambda: seed_pipeline(args, best, result_path, bf16))
 
 
-def seed_pipeline(args: argparse.Namespace, best: bool, result_path: str) -> None:
+def seed_pipeline(args: argparse.Namespace, best: bool, result_path: str, bf16: bool = False) -> None:
+    """The seed's training loop; with `bf16` (a''), in bf16 autocast with network and batches in channels_last."""
     info = distribute_tools.setup()
     images, labels = make_synthetic((args.warmup + args.steps) * args.batch_size, seed=0, split=0)  # uint8 NHWC
     dataset = PilImages(images, labels)
@@ -125,13 +161,15 @@ def seed_pipeline(args: argparse.Namespace, best: bool, result_path: str) -> Non
         pin_memory=best and info.device.type == "cuda",
         persistent_workers=workers > 0,
     )
-    model = ResNet(args.width).to(info.device)
+    layout = torch.channels_last if bf16 else torch.contiguous_format
+    model = ResNet(args.width).to(info.device, memory_format=layout)
     model = DistributedDataParallel(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
     loss_fn, optimizer = nn.CrossEntropyLoss(), torch.optim.Adam(model.parameters(), lr=1e-3)
     started = time.perf_counter()
     for step, (x, y) in enumerate(loader):
-        x, y = x.to(info.device, non_blocking=best), y.to(info.device, non_blocking=best)
-        loss = loss_fn(model(x), y)
+        x, y = x.to(info.device, non_blocking=best, memory_format=layout), y.to(info.device, non_blocking=best)
+        with torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(model(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -147,11 +185,11 @@ def seed_pipeline(args: argparse.Namespace, best: bool, result_path: str) -> Non
     distribute_tools.cleanup()
 
 
-def run_seed_pipeline(args: argparse.Namespace, world_size: int, best: bool) -> tuple[float, float]:
+def run_seed_pipeline(args: argparse.Namespace, world_size: int, best: bool, bf16: bool = False) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "seed.txt")
         try:
-            distribute_tools.run_distribute(seed_pipeline_rank, world_size, args, best, result)
+            distribute_tools.run_distribute(seed_pipeline_rank, world_size, args, best, result, bf16)
         except ChildFailedError as e:
             sys.exit(f"the seed pipeline failed: {failures.outcome(e)[1]}")
         speed, memory = Path(result).read_text().split()
@@ -161,7 +199,7 @@ def run_seed_pipeline(args: argparse.Namespace, world_size: int, best: bool) -> 
 # ----------------------------------------------------------------------------- (b) this project
 
 
-def run_project(args: argparse.Namespace, world_size: int) -> dict:
+def run_project(args: argparse.Namespace, world_size: int, compile: bool) -> dict:
     """`python train_distribute.py` on synthetic data: epoch 2's images/s and peak memory from its CSV, its
     precision from its first line, and the wall clock from launch to its first epoch line."""
     with tempfile.TemporaryDirectory() as out:
@@ -176,7 +214,7 @@ def run_project(args: argparse.Namespace, world_size: int) -> dict:
             f"--world_size={world_size}",
             "--epochs=2",
             f"--output_dir={out}",
-            f"--compile={args.compile}",
+            f"--compile={compile}",
             f"--amp={args.amp}",
             *optimizer_setting(args),
         ]
@@ -200,6 +238,7 @@ def run_project(args: argparse.Namespace, world_size: int) -> dict:
         "precision": precision,
         "first_epoch_end": first_epoch,
         "first_step": first_epoch - float(rows["epoch_seconds"].iloc[0]),
+        "first_epoch_seconds": float(rows["epoch_seconds"].iloc[0]),
     }
 
 
@@ -210,8 +249,8 @@ def optimizer_setting(args: argparse.Namespace) -> list[str]:
 # ----------------------------------------------------------------------------- (c) the compute ceiling
 
 
-def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format) -> tuple[float, float]:
-    """Images/s of forward + backward + step alone in one process; and FLOPs per training image."""
+def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format) -> float:
+    """Images/s of forward + backward + step alone in one process."""
     device, _ = choose_device(0, 1, gpu_count())
     torch.set_num_threads(cores())
     torch.backends.cudnn.benchmark = True  # as the project sets it
@@ -220,33 +259,37 @@ def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format
     amp = args.amp.lower() in ("true", "1", "yes") and bf16_is_fast(device)  # as the settings read --amp
     cfg = settings.read(td, [f"--batch_size={args.batch_size}", *optimizer_setting(args)])
     optimizer = muon.make_optimizer(cfg, model, td.peak_lr(cfg), device, amp)
-    step_model = torch.compile(model) if args.compile else model
     x = torch.randn(args.batch_size, 3, 32, 32, device=device).contiguous(memory_format=memory_format)
     y = torch.randint(10, (args.batch_size,), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
 
     def step() -> None:
         with autocast:
-            loss = nn.functional.cross_entropy(step_model(x), y)
+            loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
 
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        with autocast:
-            loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-    flops_per_image = counter.get_total_flops() / args.batch_size
-    for _ in range(max(args.warmup, 3 if args.compile else 1)):
+    for _ in range(max(args.warmup, 1)):
         step()
     synchronize(device)
     started = time.perf_counter()
     for _ in range(args.steps):
         step()
     synchronize(device)
-    return args.steps * args.batch_size / (time.perf_counter() - started), flops_per_image
+    return args.steps * args.batch_size / (time.perf_counter() - started)
+
+
+def training_flops_per_image(width: int, batch: int = 2) -> float:
+    """FLOPs of one training image (forward and backward) counted by torch's FlopCounterMode on the meta device: no
+    memory, no computation, nothing set up that the seed's forked ranks would inherit."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model, x, y = ResNet(width), torch.randn(batch, 3, 32, 32), torch.randint(10, (batch,))
+        with FlopCounterMode(display=False) as counter:
+            nn.functional.cross_entropy(model(x), y).backward()
+    return counter.get_total_flops() / batch
 
 
 def cpu_kind() -> str:
@@ -274,54 +317,60 @@ def main() -> None:
         sys.exit(f"error: {e}")
     device, backend = choose_device(0, 1, gpu_count())
     name = gpu_name() if device.type == "cuda" else f"{cpu_kind()}, {cores()} cores"
+    compiled = args.compiled == "yes" or (args.compiled == "auto" and device.type == "cuda")
     print(
         f"machine: {name} | torch {torch.__version__} | {world_size} rank(s), {backend} | width {args.width}, "
         f"global batch {args.batch_size}, {args.steps} timed steps | (b) and (c) with {optimizer}",
         flush=True,
     )
-    if not args.skip_seed:  # before any computation here: the ranks are forked from this process
-        seed_speed, seed_memory = run_seed_pipeline(args, world_size, best=False)
+    peak = next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), None)
+    results = Results(args.results, training_flops_per_image(args.width), peak, world_size)
+    if peak:
         print(
-            f"(a)  seed pipeline           {seed_speed:10,.0f} images/s   peak memory {seed_memory:8,.0f} MiB",
+            f"MFU: {results.flops / 1e9:.2f} GFLOP per training image against {peak:.0f} TFLOP/s per GPU (dense bf16)"
+        )
+    speeds: dict[str, float] = {}
+    seeds = [("a", "(a)   seed pipeline", False, False), ("a'", "(a')  seed at its best", True, False)]
+    seeds += [("a''", "(a'') seed at its best, bf16 + channels_last", True, True)]
+    for key, label, best, bf16 in [] if args.skip_seed else seeds:  # before any computation here: forked from here
+        speeds[key], memory = run_seed_pipeline(args, world_size, best, bf16)
+        line = f"{label:<44}{speeds[key]:10,.0f} images/s   peak memory {memory:8,.0f} MiB"
+        results.add(key, line, images_per_second=speeds[key], peak_memory_mb=memory)
+    eager_first_epoch = None
+    for key, compile in [("b", False)] + ([("b'", True)] if compiled else []):
+        ours = run_project(args, world_size, compile)
+        speeds[key] = ours["images_per_second"]
+        label = "(b)   this project" if key == "b" else "(b')  this project, compiled"
+        line = f"{label:<44}{speeds[key]:10,.0f} images/s   peak memory {ours['peak_memory_mb']:8,.0f} MiB"
+        line += f" ({ours['precision']})"
+        if compile:
+            ours["compile_seconds"] = ours["first_epoch_seconds"] - eager_first_epoch
+            line += f"; compile time {ours['compile_seconds']:.1f} s (epoch 1 beyond the eager run's)"
+        eager_first_epoch = eager_first_epoch or ours["first_epoch_seconds"]
+        results.add(key, line, **ours)
+        print(
+            f"      launch to first epoch end {ours['first_epoch_end']:.1f} s (the command's wall clock to its epoch 1 "
+            f"line), of which before epoch 1's first step {ours['first_step']:.1f} s",
             flush=True,
         )
-        best_speed, best_memory = run_seed_pipeline(args, world_size, best=True)
-        print(
-            f"(a') seed at its best        {best_speed:10,.0f} images/s   peak memory {best_memory:8,.0f} MiB",
-            flush=True,
-        )
-    ours = run_project(args, world_size)
-    ours_speed, precision = ours["images_per_second"], ours["precision"]
-    print(
-        f"(b)  this project            {ours_speed:10,.0f} images/s   peak memory {ours['peak_memory_mb']:8,.0f} MiB "
-        f"({precision}{', compiled' if args.compile else ''})",
-        flush=True,
-    )
-    print(
-        f"     launch to first epoch end {ours['first_epoch_end']:.1f} s (the command's wall clock to its epoch 1 "
-        f"line), of which before epoch 1's first step {ours['first_step']:.1f} s",
-        flush=True,
-    )
-    ceiling, flops = compute_ceiling(args, torch.channels_last)  # the project's layout
     # One GPU per rank: the ceiling of N GPUs is N times one GPU's. CPU ranks share the cores the ceiling used.
     scale = world_size if device.type == "cuda" else 1
-    ceiling *= scale
-    other_ceiling = compute_ceiling(args, torch.contiguous_format)[0] * scale
-    print(
-        f"(c)  compute ceiling         {ceiling:10,.0f} images/s   (the project's layout, {precision}; "
-        f"contiguous layout: {other_ceiling:,.0f})"
+    speeds["c"] = compute_ceiling(args, torch.channels_last) * scale  # the project's layout
+    other = compute_ceiling(args, torch.contiguous_format) * scale
+    line = (
+        f"{'(c)   compute ceiling':<44}{speeds['c']:10,.0f} images/s   (the project's layout; contiguous: {other:,.0f})"
     )
-    print(f"share of the ceiling (b)/(c): {ours_speed / ceiling:.2f} | {flops / 1e9:.2f} GFLOP per training image")
-    if not args.skip_seed:
-        print(f"speed-up (b)/(a): {ours_speed / seed_speed:.2f}x | (b)/(a'): {ours_speed / best_speed:.2f}x")
-        print(
-            f"epoch of 50,000 images: seed {50_000 / seed_speed:.1f} s, seed at its best "
-            f"{50_000 / best_speed:.1f} s, project {50_000 / ours_speed:.2f} s"
-        )
-    peak = next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), None)
-    if peak:
-        mfu = ours_speed * flops / (world_size * peak * 1e12)
-        print(f"model FLOPs utilisation (b): {100 * mfu:.1f}% of {peak:.0f} TFLOP/s per GPU (dense bf16)")
+    results.add("c", line, images_per_second=speeds["c"], contiguous_images_per_second=other)
+    ratios = {
+        f"({b})/({a})": speeds[b] / speeds[a]
+        for b in ("b", "b'")
+        for a in ("a", "a'", "a''")
+        if b in speeds and a in speeds
+    }
+    ratios["(b)/(c)"] = speeds["b"] / speeds["c"]
+    print(" | ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items()), flush=True)
+    results.figures["ratios"] = ratios
+    results.add("epoch", "epoch of 50,000 images: " + ", ".join(f"({k}) {50_000 / v:.2f} s" for k, v in speeds.items()))
 
 
 if __name__ == "__main__":
