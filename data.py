@@ -8,6 +8,7 @@ on the device. Two loaders with one interface:
 import hashlib
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import select
 import signal
@@ -224,6 +225,11 @@ def forkserver_context() -> Any:
     forks the workers. Started with the stop signals held back, which it and its workers keep: the rank decides."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "data"])
+    # A rank ends with os._exit, and a worker it asked for may start after it, opening its queues' semaphores by
+    # name: the resource tracker, which outlives the rank's fork server and workers, is the one to free them, with
+    # no warning. Started before the mask: starting it lets SIGINT and SIGTERM in again.
+    sys.warnoptions.append("ignore::UserWarning:multiprocessing.resource_tracker")  # its command line's -W
+    multiprocessing.resource_tracker.ensure_running()
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     multiprocessing.forkserver.ensure_running()  # (if it fails, the rank ends with its line)
     signal.pthread_sigmask(signal.SIG_SETMASK, held)
@@ -232,8 +238,11 @@ def forkserver_context() -> Any:
 
 def quiet_worker(worker_id: int, rank: int) -> None:
     """A worker leaves stopping to its rank, and ends with it: a thread waits for the rank's end (Linux's pidfd), at
-    once if the rank is gone. (Its parent, the fork server, ends once the rank and its workers have.)"""
+    once if the rank is gone. (Its parent, the fork server, ends once the rank and its workers have.) A connection
+    that the rank dropped (it stopped amid a batch's hand-over: multiprocessing's fd sharing) is no news."""
     ignore_stop_signals()
+    report = sys.excepthook
+    sys.excepthook = lambda kind, *rest: None if issubclass(kind, (ConnectionError, EOFError)) else report(kind, *rest)
     if not hasattr(os, "pidfd_open"):  # not Linux: the DataLoader's own look at its parent remains
         return
     try:

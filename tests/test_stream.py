@@ -19,7 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 import data
 import distribute_tools
 import train_distribute
-from safeguards import settings
+from safeguards import failures, settings
 from tests.conftest import (
     HANG_TIMEOUT,
     alive,
@@ -211,6 +211,56 @@ def test_workers_come_from_a_fork_server_hold_no_lock_and_end_with_their_rank(ti
 
 def command_of(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+
+
+def fork_servers(run, count: int = 2) -> list[int]:
+    """The ranks' fork servers, as soon as `count` of them have started: they import torch for a while then."""
+    deadline = time.monotonic() + HANG_TIMEOUT
+    while True:
+        assert run.poll() is None and time.monotonic() < deadline, "no fork servers in time"
+        found = [pid for pid in children_of(run.pid) if "multiprocessing.forkserver" in command_of(pid)]
+        if len(found) >= count:
+            return found
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("stop", ["sigterm mid-run", "ctrl-c while the fork servers import torch"])
+def test_a_stop_with_decoding_workers_is_its_one_line_once_every_process_of_the_run_has_ended(
+    tiny_stream, tmp_path, stop
+):
+    """SIGTERM to the launcher once both readers' workers decode; or Ctrl-C to every process of the run (its process
+    group, as a terminal's where the ranks are forked) while the fork servers import torch, held there by SIGSTOP
+    until the run has ended (the worker asked for then starts after its rank). stderr holds the stop's line alone,
+    also once the fork servers, workers and resource trackers have ended: no tracker's "leaked semaphore objects"
+    (the ranks end with os._exit), no fork server's KeyboardInterrupt (starting the tracker let SIGINT in again), no
+    worker's traceback of a batch's hand-over that its stopping rank dropped (seen on torch 2.4.1)."""
+    folder = tmp_path / "out"
+    run = launch(
+        *tiny_stream, "--num_workers=1", "--epochs=30", f"--output_dir={folder}", env=clean_env(TEST_STREAM="1")
+    )
+    held = []
+    if stop == "sigterm mid-run":
+        wait_for_rows(folder, 1, run)  # an evaluation has run: both readers' workers exist
+    else:
+        held = fork_servers(run)
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+    processes = children_of(run.pid)  # ranks, fork servers, workers, resource trackers
+    os.kill(run.pid, signal.SIGTERM) if held == [] else os.killpg(run.pid, signal.SIGINT)
+    code = run.wait(HANG_TIMEOUT)
+    for pid in held:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + HANG_TIMEOUT  # (held fork servers first finish importing torch)
+    while left := [pid for pid in processes if alive(pid)]:
+        assert time.monotonic() < deadline, [command_of(pid)[:80] for pid in left if alive(pid)]
+        time.sleep(0.05)
+    _, err = run.communicate()  # all that the run's processes wrote
+    if held:
+        assert code == 130 and lines(err) == [f"interrupted: {failures.NOTHING_KEPT}"], err
+    else:
+        kept = torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"]
+        line = f"stopped by SIGTERM: the files in {folder} are from epoch {kept}: continue with --resume True"
+        assert code == 75 and lines(err) == [line], err
 
 
 # ----------------------------------------------------------------------------- a file that stops decoding
