@@ -17,7 +17,7 @@ import sys
 import threading
 import warnings
 from contextlib import nullcontext
-from functools import partial
+from functools import cache, partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -291,7 +291,7 @@ class Loader:
         """uint8 NHWC -> normalised float NCHW in the model's memory format; with `generator`, cropped and flipped."""
         if generator is not None and self.augment:
             pixels = crop_and_flip(pixels, max(1, round(pixels.shape[1] / 8)), generator)  # 4 pixels at 32x32
-        x = (pixels.permute(0, 3, 1, 2).float() - self.mean) / self.std
+        x = (pixels.permute(0, 3, 1, 2) - self.mean) / self.std  # uint8 - float: float, in one launch
         return x.contiguous(memory_format=self.memory_format)
 
     def augmentation(self, seed: int, epoch: int, rank: int) -> torch.Generator:
@@ -380,13 +380,15 @@ def crop_and_flip(pixels: torch.Tensor, pad: int, generator: torch.Generator) ->
     """Random crops of a reflect-padded image (shifts of up to `pad` pixels) and random horizontal flips, drawn per
     image, done with one gather. uint8 (B, H, W, C) in and out."""
     batch, height, width, _ = pixels.shape
-    shifts = torch.randint(-pad, pad + 1, (2, batch, 1), generator=generator, device=pixels.device)
-
-    def reflect(index: torch.Tensor, size: int) -> torch.Tensor:  # off either edge, mirrored back into 0..size-1
-        return torch.where(index.abs() > size - 1, 2 * (size - 1) - index.abs(), index.abs())
-
-    rows = reflect(torch.arange(height, device=pixels.device) + shifts[0], height)
-    cols = reflect(torch.arange(width, device=pixels.device) + shifts[1], width)
+    shifts = torch.randint(-pad, pad + 1, (2, batch), generator=generator, device=pixels.device)
+    rows, cols = reflected(height, pad, pixels.device)[shifts[0]], reflected(width, pad, pixels.device)[shifts[1]]
     flip = torch.rand(batch, 1, generator=generator, device=pixels.device) < 0.5
     cols = torch.where(flip, width - 1 - cols, cols)
     return pixels[torch.arange(batch, device=pixels.device)[:, None, None], rows[:, :, None], cols[:, None, :]]
+
+
+@cache
+def reflected(size: int, pad: int, device: torch.device) -> torch.Tensor:
+    """Row s (-pad..pad, negative s from the end): a reflect-padded image's rows (or columns) shifted by s."""
+    index = (torch.arange(size) + torch.arange(-pad, pad + 1).roll(-pad)[:, None]).abs()  # mirrored at 0 ...
+    return (size - 1 - (size - 1 - index).abs()).to(device)  # ... and at size - 1

@@ -228,9 +228,9 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: C
                 logits = run.ddp_model(x_part)
                 loss = loss_fn(logits, y_part)
             (loss * (len(y_part) / len(y))).backward()  # the gradients add up to those of the whole share's mean
-        sums[0] += loss.detach().float() * len(y_part)
-        sums[1] += (logits.argmax(dim=1) == y_part).sum()
-        sums[2] += len(y_part)
+        sums[0].add_(loss.detach(), alpha=len(y_part))  # in place: a launch each (+= on an element is two)
+        sums[1].add_((logits.argmax(dim=1) == y_part).sum())
+        sums[2].add_(len(y_part))
     run.optimizer.step()  # DDP: Muon's step broadcasts each rank's share of the filters' updates
 
 

@@ -11,18 +11,47 @@ import muon
 from tests.conftest import call
 
 
+def alone(matrix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One matrix orthogonalised by itself, in `dtype`, as a batch of one (its short side first)."""
+    tall = matrix.size(0) > matrix.size(1)
+    result = muon.newton_schulz((matrix.T if tall else matrix).to(dtype)[None])[0].float()
+    return result.T if tall else result
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_orthogonalise_makes_every_singular_value_about_one(dtype):
     g = torch.Generator().manual_seed(0)
     for shape in ((16, 144), (64, 32), (8, 8)):
         u, _, v = torch.linalg.svd(torch.randn(shape, generator=g), full_matrices=False)
         matrix = u @ torch.diag(torch.logspace(0, -1.3, min(shape))) @ v  # singular values from 1 to 0.05
-        result = muon.orthogonalise(matrix, dtype)
+        result = alone(matrix, dtype)
         values = torch.linalg.svdvals(result)
         assert result.dtype == torch.float32 and result.shape == matrix.shape
         assert values.min() > 0.5 and values.max() < 1.3, values  # Newton-Schulz's five steps: a band around 1
         inside = u.T @ result @ v.T  # in the matrix's own singular directions: diagonal, the directions kept
         assert (inside - torch.diag(inside.diagonal())).abs().max() < 0.05 and inside.diagonal().min() > 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_filter_banks_orthogonalised_together_equal_each_one_alone(dtype):
+    """Banks of several shapes (wide, tall, 1x1, channels_last as in a run) share padded batches, made once and kept
+    for the next step: the results equal each bank's alone, to fp32's rounding, or bf16's where batches run in bf16
+    (a batch of short side 128 or more, which small banks may join)."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(128, 16, 3, 3), (128, 32, 3, 3), (256, 128, 1, 1), (64, 8, 3, 3), (16, 3, 3, 3), (32, 16, 1, 1)]
+    made = {}
+    for _ in range(2):  # the second step reuses the padded batches of the first
+        updates = [torch.randn(shape, generator=g).contiguous(memory_format=torch.channels_last) for shape in shapes]
+        together = muon.orthogonalise_shared(updates, dtype, made)
+        for update, result in zip(updates, together, strict=True):
+            matrix = update.flatten(1)
+            reference = alone(matrix, dtype if min(matrix.shape) >= muon.BF16_FROM else torch.float32)
+            error = (result.flatten(1) - reference).abs().max() / reference.abs().max()
+            assert result.shape == update.shape and error < (2e-2 if dtype == torch.bfloat16 else 1e-5), (
+                update.shape,
+                error,
+            )
+    assert len(made) < len(shapes)  # fewer batches than banks
 
 
 def test_filters_step_orthogonalised_and_the_rest_as_nesterov_sgd():
