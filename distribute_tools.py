@@ -28,6 +28,7 @@ from safeguards.failures import UserError
 # per epoch, instead of a broadcast before every training step (torch 2.14 renamed the option).
 _RENAMED = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
 NO_BUFFER_SYNC = {"forward_sync_buffers" if _RENAMED else "broadcast_buffers": False}
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun gives its ranks
 
 
 @dataclass(frozen=True)
@@ -48,14 +49,18 @@ class DistInfo:
 
 
 def under_torchrun() -> bool:
-    """This process is a rank (started by torchrun, or by run_distribute)."""
-    return all(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    """This process is a rank: torch's elastic agent started it (torchrun, or run_distribute), and said so."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def world_size(requested: int) -> int:
-    """torchrun's number of ranks; else `requested` (WORLD_SIZE), 0 meaning one per GPU (2 on a machine without)."""
+    """torchrun's number of ranks; else `requested` (WORLD_SIZE), 0 meaning one per GPU (2 on a machine without).
+    RANK and the rest without torchrun are a shell's, another job's: refused, before the launcher waits as a rank."""
     if under_torchrun():
         return int(os.environ["WORLD_SIZE"])
+    if set(RANK_VARIABLES[:3]) & set(os.environ):
+        found = " ".join(name for name in RANK_VARIABLES if name in os.environ)
+        raise UserError(f"{found} set, but not by torchrun: unset {found}, or start ranks with torchrun")
     return requested or (torch.cuda.device_count() if torch.cuda.is_available() else 0) or 2
 
 

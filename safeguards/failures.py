@@ -18,6 +18,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ _received: list[int] = []  # the stop signal this process got, if any
 _groups_kept: list[Any] = []  # the process group, where freeing it can hang (kept_alive)
 _ending: list[bool] = []  # set first thing when a rank ends: a stop signal arriving then is noted, not raised
 _kept: list[Callable[[], str]] = []  # says which epoch's files a run that ends now keeps (tell_kept_files)
+_claim = threading.Lock()  # held for good by whichever ends the rank, run_rank or end_if_stuck: one line, one code
 
 
 def tell_kept_files(describe: Callable[[], str]) -> None:
@@ -73,6 +75,33 @@ def handle_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+def watch_stop_signals(on_stop: Callable[[int], None]) -> None:
+    """Python runs handlers in the main thread between bytecodes, never while it waits in torch's C++ code (for the
+    store, a missing rank, a collective's stopped peer): a thread woken by each stop signal calls `on_stop` with it."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write)
+
+    def watch() -> None:
+        while True:
+            for signum in set(os.read(read, 64)) & set(STOP_SIGNALS):
+                on_stop(signum)
+
+    threading.Thread(target=watch, name="stop-signals", daemon=True).start()
+
+
+def end_if_stuck(signum: int) -> None:
+    """A stop that the rank's main thread did not take in time (it waits in C++) ends the rank now, in its line. One
+    taken in time lets the rank finish its files first (rank 0's writer)."""
+    time.sleep(3)  # the main thread's time to take it
+    if _received or not _claim.acquire(blocking=False):
+        return
+    _ending.append(_received.append(signum) or True)  # a handler that runs now only notes the signal
+    code, line = outcome(Stopped())
+    _say(code, line)
+    os._exit(code)
+
+
 def ignore_stop_signals() -> None:
     """The run is complete, or is ending: a signal now must not change how."""
     for sig in STOP_SIGNALS:
@@ -81,10 +110,22 @@ def ignore_stop_signals() -> None:
 
 def hold_stop_signals_for_ranks() -> None:
     """Rank processes started from now on inherit the stop signals held back, so that a Ctrl-C while they import
-    torch waits for their handle_stop_signals instead of printing a traceback. This process still gets them: a
-    thread that does not hold them back takes them, and Python runs the handlers in the main thread as always."""
-    threading.Thread(target=threading.Event().wait, name="stop-signals", daemon=True).start()
+    torch is no traceback. This process still gets them: the watching thread, which does not hold them back, takes
+    them, and Python runs the handlers in the main thread as always."""
+    watch_stop_signals(stop_ranks)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def stop_ranks(signum: int) -> None:
+    """The launcher's stop, for the ranks that torch's agent would wait 30 s for: one stopped (SIGSTOP, Ctrl-Z: as a
+    hung machine) goes on, to take it; one still starting (importing torch, the signals held back) ends now."""
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")  # the ranks (Linux)
+    for rank in children.read_text().split() if children.exists() else []:
+        try:
+            held = int(Path(f"/proc/{rank}/status").read_text().split("SigBlk:")[1].split()[0], 16) >> (signum - 1) & 1
+            os.kill(int(rank), signal.SIGKILL if held else signal.SIGCONT)
+        except (OSError, IndexError):  # gone meanwhile
+            pass
 
 
 def guard_parent(launcher: str | None) -> None:
@@ -150,6 +191,7 @@ def run_rank(body: Callable[[], None]) -> int:
     that peers left can hang (NCCL waits for them; gloo deadlocked on torch 2.4), and the system closes it anyway."""
     guard_parent(os.environ.get(LAUNCHER_PID))
     try:
+        watch_stop_signals(end_if_stuck)
         handle_stop_signals()  # a stop held back while this rank started arrives here
         body()
         if _groups_kept and multiprocessing.parent_process() is None:  # a forked rank's end is an os._exit anyway
@@ -157,6 +199,7 @@ def run_rank(body: Callable[[], None]) -> int:
             os._exit(0)  # the kept group is never freed
         return 0
     except BaseException as error:  # every way out of a rank becomes its line and code
+        _claim.acquire()  # for good (where end_if_stuck ends this rank, this thread waits here)
         _ending.append(True)  # before any Python call runs a pending handler: a stop now is noted, not raised
         ignore_stop_signals()
         code, line = outcome(error)

@@ -334,7 +334,7 @@ def test_the_start_rule(first_start, env, resume, saved, kind):
 def test_a_node_whose_ranks_know_no_written_epoch_still_says_the_way_on(monkeypatch):
     """Under torchrun without our launcher, a rank other than 0 that saw no epoch written (stopped in epoch 1 or 2)."""
     monkeypatch.delenv(failures.LAUNCHER_PID, raising=False)
-    for name, value in (("RANK", "1"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("TORCHELASTIC_RUN_ID", "1")):
         monkeypatch.setenv(name, value)
     assert start.kept_files("/runs/a", known=0) == (
         "the files are in /runs/a on the node of global rank 0 (no epoch known here); continue with the same command "
