@@ -3,6 +3,8 @@
     python -m tests.swap_network                        # a small CNN in place of the ResNet
     python -m tests.swap_network mobilenet_v3_small     # or torchvision's resnet18 or mobilenet_v3_small
     python -m tests.swap_network resnet18 -m "not slurm" -x   # the suite's own options may follow
+    python -m tests.swap_network timm.models:resnet18   # any module:callable, called as callable(num_classes=N):
+    PYTHONPATH=~/nets python -m tests.swap_network mynet:Net   # your own class, on PYTHONPATH or in the project
 
 The copy gets exactly the edit README names: `make_model` returns the other network, WIDTH is deleted
 from the settings block, and tests/test_resnet.py (the ResNet's own tests) is deleted. Nothing else
@@ -10,6 +12,7 @@ changes, so every failure there is a promise of "swap the network in one place" 
 of the project's folder as it is (a git checkout or not), without hidden folders, caches, data or results.
 """
 
+import importlib
 import re
 import shutil
 import subprocess
@@ -30,21 +33,43 @@ SMALL_CNN = """nn.Sequential(
         nn.Flatten(),
         nn.Linear(32, num_classes),
     )"""
-NETWORKS = {  # what make_model returns in the copy
+NETWORKS = {  # what make_model returns in the copy: its code, or module:callable, called as callable(num_classes=N)
     "cnn": SMALL_CNN,
-    "resnet18": "torchvision.models.resnet18(num_classes=num_classes)",
-    "mobilenet_v3_small": "torchvision.models.mobilenet_v3_small(num_classes=num_classes)",
+    "resnet18": "torchvision.models:resnet18",
+    "mobilenet_v3_small": "torchvision.models:mobilenet_v3_small",
 }
+CALLABLE = re.compile(r"([A-Za-z_][\w.]*):([A-Za-z_]\w*)")
 NOT_COPIED = shutil.ignore_patterns(".*", "__pycache__", "data", "output", "*.egg-info")
 
 
 def make_model_returning(network: str) -> str:
-    imports = "    import torchvision\n\n" if "torchvision" in network else ""
+    if found := CALLABLE.fullmatch(network):
+        module, name = found.groups()
+        body = f"    from {module} import {name}\n\n    return {name}(num_classes=num_classes)\n"
+    else:
+        body = f"    return {network}\n"
     return (
         "def make_model(cfg: SimpleNamespace, num_classes: int) -> nn.Module:\n"
-        '    """Another network in place of the ResNet."""\n'
-        f"{imports}    return {network}\n"
+        '    """Another network in place of the ResNet."""\n' + body
     )
+
+
+def network_named(name: str) -> str:
+    """The built-in network of this name, or module:callable where that callable can be imported here."""
+    if name in NETWORKS:
+        return NETWORKS[name]
+    if not (found := CALLABLE.fullmatch(name)):
+        refuse(f"no network named {name}; choose one of {', '.join(NETWORKS)}, or give module:callable")
+    try:
+        getattr(importlib.import_module(found[1]), found[2])
+    except (ImportError, AttributeError) as e:
+        refuse(f"cannot import {name} ({e}); put its module on PYTHONPATH or in {ROOT}")
+    return name
+
+
+def refuse(problem: str) -> None:
+    print(f"error: {problem}", file=sys.stderr)
+    sys.exit(2)
 
 
 def swapped_copy(folder: Path, network: str) -> Path:
@@ -58,7 +83,7 @@ def swapped_copy(folder: Path, network: str) -> Path:
     source, settings = re.subn(r"^WIDTH: .*\n", "", source, flags=re.M)
     source = source.replace("from resnet import ResNet\n", "")
     if (models, settings) != (1, 1):
-        sys.exit(f"could not make the swap in {script}: make_model or WIDTH not found")
+        refuse(f"could not make the swap in {script}: make_model or WIDTH not found")
     script.write_text(source)
     (folder / "tests" / "test_resnet.py").unlink()
     return folder
@@ -66,10 +91,9 @@ def swapped_copy(folder: Path, network: str) -> Path:
 
 def main(args: list[str]) -> int:
     name = args.pop(0) if args and not args[0].startswith("-") else "cnn"
-    if name not in NETWORKS:
-        sys.exit(f"error: no network named {name}; choose one of {', '.join(NETWORKS)}")
-    with tempfile.TemporaryDirectory(prefix=f"swapped-{name}-") as folder:
-        copy = swapped_copy(Path(folder), NETWORKS[name])
+    network = network_named(name)
+    with tempfile.TemporaryDirectory(prefix=f"swapped-{name.replace(':', '-')}-") as folder:
+        copy = swapped_copy(Path(folder), network)
         print(f"make_model returns {name} in {copy}; running the suite there", flush=True)
         return subprocess.run([sys.executable, "-m", "pytest", "-q", *args], cwd=copy).returncode
 

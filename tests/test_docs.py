@@ -1,0 +1,144 @@
+"""What README.md and docs/ name exists: every `module.name` of the project in backticks (a function, class, method or
+setting; a name that no longer exists says so: `name` (historical ...)), and every test they cite
+(`test_x.py::test_name`, or `::test_name` after one), read from the sources' syntax trees. And the network swap
+that README names (`python -m tests.swap_network`), with a network given as module:callable too."""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from torch import nn
+
+from tests import swap_network
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md")])
+SOURCES = [*ROOT.glob("*.py"), *ROOT.glob("safeguards/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("tests/*.py")]
+QUOTED = re.compile(r"`([^`\n]+)`( ?\(historical)?")
+DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?:\(\))?")
+CITED_TEST = re.compile(r"(test_\w+\.py)?::(test_\w+)")
+
+
+def names_in(body: list[ast.stmt]) -> dict[str, dict | None]:
+    """The names a module or class body defines; a class maps to its own names."""
+    found: dict[str, dict | None] = {}
+    for node in body:
+        if isinstance(node, ast.ClassDef):
+            found[node.name] = names_in(node.body)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            found[node.name] = None
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.update({n.id: None for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)})
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            found.update({(alias.asname or alias.name).split(".")[0]: None for alias in node.names})
+        elif isinstance(node, ast.If | ast.Try | ast.With):
+            found.update(names_in(node.body))
+    return found
+
+
+def project() -> dict[str, dict]:
+    """Each module's names by its dotted name ("safeguards.failures"), safeguards' also by their own ("failures",
+    as the docs write them)."""
+    modules = {}
+    for path in SOURCES:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts)] = modules[parts[-1] if parts[0] == "safeguards" else ".".join(parts)] = names_in(
+            ast.parse(path.read_text()).body
+        )
+    return modules
+
+
+def missing(name: str, modules: dict[str, dict], classes: dict[str, dict]) -> bool:
+    """Whether `name` (module.function, module.Class.method, Class.method) names nothing of the project. A name
+    outside it (torch.compile, os._exit, cfg.EPOCHS) is not this test's."""
+    parts = name.removesuffix("()").split(".")
+    if parts[-1] == "py":  # a file's name: the text says where it is (or was: crash.py, save it as)
+        return False
+    held = next((k for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in modules), 0)
+    scope, rest = (modules[".".join(parts[:held])], parts[held:]) if held else (classes.get(parts[0]), parts[1:])
+    if scope is None:
+        return False
+    for part in rest:
+        if scope is None or part not in scope:
+            return True
+        scope = scope[part]
+    return False
+
+
+def test_the_docs_name_only_what_exists():
+    modules = project()
+    classes = {name: inner for names in modules.values() for name, inner in names.items() if inner is not None}
+    tests = {name for module, names in modules.items() if module.startswith("tests.") for name in names}
+    wrong = []
+    for doc in DOCS:
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            cited_file = None
+            for quoted in QUOTED.finditer(line):
+                text, historical = quoted.groups()
+                if DOTTED.fullmatch(text) and missing(text, modules, classes) and not historical:
+                    wrong.append(f"{doc.name}:{number}: {text}")
+                for cited in CITED_TEST.finditer(text):
+                    cited_file = cited[1] or cited_file
+                    where = modules.get(f"tests.{cited_file.removesuffix('.py')}") if cited_file else None
+                    if cited[2] not in (tests if where is None else where):
+                        wrong.append(f"{doc.name}:{number}: {cited_file or ''}::{cited[2]}")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_check_finds_a_name_that_is_gone():
+    modules = project()
+    classes = {"Loader": modules["data"]["Loader"]}
+    assert missing("settings.check_resume", modules, classes)
+    assert missing("data.Loader.gone", modules, classes) and missing("Loader.gone()", modules, classes)
+    found = ["failures.run_rank", "safeguards.failures.outcome", "Loader.prepare", "data.py", "train_distribute.main"]
+    assert not any(missing(name, modules, classes) for name in [*found, "torch.compile", "cfg.EPOCHS"])
+
+
+# ----------------------------------------------------------------------------- README's network swap
+
+
+@pytest.mark.parametrize("name", ["cnn", "tests.test_docs:Classifier"])
+def test_the_swap_makes_make_model_return_the_network_named(tmp_path, name):
+    """A built-in network, or one's own class (module:callable, called with num_classes, as a torchvision or timm
+    constructor is): the copy's make_model, as the swap writes it, builds it for any number of classes."""
+    copy = swap_network.swapped_copy(tmp_path, swap_network.network_named(name))
+    source = (copy / "train_distribute.py").read_text()
+    assert "\nWIDTH:" not in source and not (copy / "tests" / "test_resnet.py").exists()
+    written = re.search(r"\ndef make_model\(.*?\n(?=\n\n)", source, re.S)[0]
+    scope = {"nn": nn, "SimpleNamespace": SimpleNamespace}
+    exec(written, scope)
+    model = scope["make_model"](SimpleNamespace(), 3)
+    assert model(__import__("torch").zeros(2, 3, 32, 32)).shape == (2, 3)
+
+
+class Classifier(nn.Module):
+    """One's own network, whose last layer is not called head."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+        self.classifier = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))
+
+
+@pytest.mark.parametrize(
+    "name, said",
+    [
+        ("resnet50x", "no network named resnet50x; choose one of cnn, resnet18, mobilenet_v3_small, or give "
+         "module:callable"),
+        ("no_such_module:Net", "cannot import no_such_module:Net (No module named 'no_such_module'); put its module "
+         f"on PYTHONPATH or in {ROOT}"),
+    ],
+)  # fmt: skip
+def test_a_network_the_swap_cannot_find_is_one_line_before_anything_is_copied(name, said):
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.swap_network", name], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 2 and result.stdout == "" and result.stderr == f"error: {said}\n"
