@@ -7,8 +7,6 @@ on the device. Two loaders with one interface:
 
 import hashlib
 import multiprocessing
-import multiprocessing.forkserver
-import multiprocessing.resource_tracker
 import os
 import select
 import signal
@@ -18,6 +16,7 @@ import threading
 import warnings
 from contextlib import nullcontext
 from functools import cache, partial
+from multiprocessing import forkserver, resource_tracker
 from types import SimpleNamespace
 from typing import Any
 
@@ -225,13 +224,12 @@ def forkserver_context() -> Any:
     forks the workers. Started with the stop signals held back, which it and its workers keep: the rank decides."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "data"])
-    # A rank ends with os._exit, and a worker it asked for may start after it, opening its queues' semaphores by
-    # name: the resource tracker, which outlives the rank's fork server and workers, is the one to free them, with
-    # no warning. Started before the mask: starting it lets SIGINT and SIGTERM in again.
-    sys.warnoptions.append("ignore::UserWarning:multiprocessing.resource_tracker")  # its command line's -W
-    multiprocessing.resource_tracker.ensure_running()
+    # A rank ends with os._exit, and a worker it asked for may start after it and open its queues' semaphores: their
+    # tracker, which outlives all, frees them, without a warning (-W). First: starting it unblocks SIGINT and SIGTERM.
+    sys.warnoptions.append("ignore::UserWarning:multiprocessing.resource_tracker")
+    resource_tracker.ensure_running()
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    multiprocessing.forkserver.ensure_running()  # (if it fails, the rank ends with its line)
+    forkserver.ensure_running()  # (if it fails, the rank ends with its line)
     signal.pthread_sigmask(signal.SIG_SETMASK, held)
     return context
 
