@@ -45,7 +45,7 @@ class Classifier:
                 f"{path} holds another network than make_model builds ({differs}); use the code that made it"
             )
         self.model.load_state_dict(saved["model"])
-        self.model.to(self.device).eval()  # fp32: channels_last gains little, and an export saves plain tensors
+        self.model.to(self.device).eval().requires_grad_(False)  # fp32, plain layout, no gradients: as exports want
         loader = data.Loader(False, saved["data"]["mean"], saved["data"]["std"], self.device, torch.contiguous_format)
         self.module = Evaluation(self.model, loader, cfg.TTA)  # what predict.py computes, as one module to ship
 

@@ -122,8 +122,7 @@ def test_the_exported_module_classifies_a_folder_as_predict_does(trained, tmp_pa
     module = torch.export.load(tmp_path / "classifier.pt2").module()
     found = rows(predict(out / "checkpoint.pt", test).stdout)
     pixels = torch.stack([torch.from_numpy(data.decode(row["path"], classifier.image_size)) for row in found])
-    with torch.no_grad():
-        probabilities = torch.cat([module(pixels[:1]), module(pixels[1:])])
+    probabilities = torch.cat([module(pixels[:1]), module(pixels[1:])])  # no gradients: Classifier has none
     assert [classifier.classes[i] for i in probabilities.argmax(1)] == [row["class"] for row in found]
     assert probabilities.max(1).values.tolist() == pytest.approx([float(row["probability"]) for row in found], abs=1e-5)
 
