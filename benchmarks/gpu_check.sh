@@ -1,107 +1,153 @@
 #!/usr/bin/env bash
-# The GPU figures in one go, on one GPU (estimated 10 minutes on one H200; not yet timed):
-#   1. throughput, width 64, global batch 512: the seed's pipeline (literal and at its best) against this
-#      project and the compute ceiling; MFU against the dense bf16 peak
-#   2. GPU idle share over 20 profiled training steps, eager and compiled
-#   3. the default recipe at full width on real images, eager: accuracy per epoch, time to 94% on the wall
-#      clock from launch (each output line is stamped with the seconds since the run was launched: start-up
-#      included; elapsed_seconds in the CSV starts with training), the write stall per epoch
-#   4. the same run compiled: compile time, and the epoch from which COMPILE is ahead on the wall clock
-#   5. the seed's recipe (Adam, constant LR, no augmentation) at width 64 for 30 epochs: its constant LR makes
-#      these the first 30 epochs of its 100; the epoch and the seconds at which it first reaches 94%, if it does
-# STEPS picks steps, e.g. STEPS=2 bash benchmarks/gpu_check.sh DIR runs step 2 alone (3 runs 3, 4 and 5).
-# The default EPOCHS becomes the smallest count at which run 3 reached 94%, once a GPU has measured it.
-# usage: bash benchmarks/gpu_check.sh [IMAGEFOLDER_DIR | ARCHIVE.tar.gz]
-#   IMAGEFOLDER_DIR holds train/ and test/; an archive of such a tree is unpacked into runs/gpu-data first.
-#   Without either, DATASET=cifar10 from ./data (downloaded if the machine is online).
+# The GPU figures of issue 42 in one go on one GPU, in at most BUDGET seconds (350: run it with a 7-minute timeout).
+# Each step writes its results into RESULTS_DIR as it ends (summary.txt, log.txt, profile.md, throughput.json,
+# runs.tar.gz: every run's CSV and output, no checkpoints), so a cut run still returns the steps before the cut:
+#   1. profile: kernel time per training step by group, the project beside the seed at its best (gpu_profile.py)
+#   5. out of GPU memory in epoch 2: another process takes the free memory once epoch 1's CSV is written; the run
+#      (without the caching allocator, which would keep what it holds: every step asks the driver again) must end in
+#      one line, exit 1, epoch 1's files kept
+#   2. throughput, width 64, global batch 512, one rank: the seed (a), at its best (a'), in bf16 + channels_last (a''),
+#      the project eager (b) and compiled (b', with its compile time), ratios and MFU (throughput.py)
+#   3. the default recipe on the real images (width 64, batch 512, one rank; the JPEGs unpacked before any clock; no
+#      compile cache of an earlier run), seeds 0 and 1, each timed as `time python train_distribute.py ...`: final
+#      holdout accuracy and wall clock. A second EPOCHS count only if the first left a seed under 94% and time is left
+#   4. the image folder's training images/s against --dataset synthetic of the same size and batch (median of the
+#      epochs after the first)
+# usage: bash benchmarks/gpu_check.sh ARCHIVE.tar.gz|IMAGEFOLDER RESULTS_DIR [EPOCHS [SECOND_EPOCHS]]
+#   EPOCHS: the count to try first (default: train_distribute.py's EPOCHS); STEPS="3 4" runs only those steps.
+# From a session with a GPU (the archive travels in the ignored data/ folder, 16 MB):
+#   mkdir -p data && cp ../shared/data/cifar10-jpeg-trainval.tar.gz data/
+#   run(command='bash benchmarks/gpu_check.sh data/cifar10-jpeg-trainval.tar.gz "$OUT"',
+#       carry=['data/cifar10-jpeg-trainval.tar.gz'], timeout_s=420)
+# A check of the script without a GPU (small sizes, on the CPU, no compiled run, no step 5): ALLOW_CPU=1 WIDTH=8
+#   BATCH=64 SYNTHETIC=2000 TP_STEPS=2 TP_WARMUP=1 TP_COMPILED=no PROFILE_STEPS=2 BUDGET=1500 \
+#   bash benchmarks/gpu_check.sh FOLDER RESULTS_DIR 1 2
 set -uo pipefail
 cd "$(dirname "$0")/.."
+[ $# -ge 2 ] || { echo "usage: bash benchmarks/gpu_check.sh ARCHIVE.tar.gz|IMAGEFOLDER RESULTS_DIR [EPOCHS [SECOND]]"; exit 2; }
 export PYTHONUNBUFFERED=1
-python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else
-'error: CUDA is not usable here (torch ' + torch.__version__ + ', built for CUDA ' + str(torch.version.cuda) + '); run this on a GPU machine')" || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+started=$SECONDS BUDGET=${BUDGET:-350} WIDTH=${WIDTH:-64} BATCH=${BATCH:-512} SYNTHETIC=${SYNTHETIC:-45000}
+R=$(mkdir -p "$2" && cd "$2" && pwd) W=${WORK_DIR:-/tmp/gpu-check}
+rm -rf "$W" && mkdir -p "$W"
+exec > >(tee -a "$R/log.txt") 2>&1
+note() { echo "$*" | tee -a "$R/summary.txt"; }
+left() { echo $((BUDGET - (SECONDS - started))); }
+cap() { local l; l=$(left); echo $((l < $1 ? (l > 1 ? l : 1) : $1)); }  # a step's timeout: its cap, or what is left
+want() { [[ " ${STEPS:-1 5 2 3 4} " == *" $1 "* ]] && [ "$(left)" -gt 15 ]; }
+keep() { tar -czf "$R/runs.tar.gz" -C "$W" --exclude='*.pt' --exclude='data' . 2>/dev/null; }
 
-data=(--dataset=cifar10)
-if [ -n "${1:-}" ]; then
-  root=$1
-  if [ -f "$1" ]; then
-    root=runs/gpu-data
-    [ -d "$root/train" ] || { mkdir -p "$root" && tar -xzf "$1" -C "$root"; } || { echo "cannot unpack $1"; exit 1; }
-  fi
-  data=(--dataset=imagefolder "--data_dir=$root")
+if [ -z "${ALLOW_CPU:-}" ]; then
+  python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'error: CUDA is not usable here (torch '
++ torch.__version__ + ', built for CUDA ' + str(torch.version.cuda) + '); run this on a GPU machine')" || exit 1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$R/summary.txt"
 fi
+note "$(python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)") | $(nproc) cores"
+data=$1
+if [ -f "$1" ]; then  # unpacked before any clock starts
+  data=$W/data && mkdir -p "$data" && tar -xzf "$1" -C "$data" || { echo "cannot unpack $1"; exit 1; }
+fi
+note "images: $(find "$data/train" -type f | wc -l) train, $(find "$data/test" -type f | wc -l) test in $data"
+epochs=${3:-$(python3 -c "import train_distribute; print(train_distribute.EPOCHS)")}
 
-want() { [[ " ${STEPS:-1 2 3} " == *" $1 "* ]]; }
-stamp() {  # each line, prefixed by the seconds since this filter (and the command before the pipe) started
-  python3 -u -c 'import sys, time
-started = time.monotonic()
-for line in sys.stdin:
-    print(f"{time.monotonic() - started:9.2f}  {line}", end="", flush=True)'
+summary() {  # a run's CSV in one line: epochs, final accuracy, median training images/s after the first epoch
+  python3 - "$1" <<'PY'
+import os
+import sys
+import pandas as pd
+if not os.path.exists(f"{sys.argv[1]}/pytorch_res.csv"):
+    sys.exit("no epoch finished")
+rows = pd.read_csv(f"{sys.argv[1]}/pytorch_res.csv")
+later = rows["images_per_second"].iloc[1:] if len(rows) > 1 else rows["images_per_second"]
+print(f"{len(rows)} epochs, final acc {rows['acc'].iloc[-1]:.4f}, best {rows['acc'].max():.4f}, "
+      f"images/s median after epoch 1 {later.median():,.0f}, epoch 1 {rows['epoch_seconds'].iloc[0]:.1f} s, "
+      f"elapsed {rows['elapsed_seconds'].iloc[-1]:.1f} s")
+PY
 }
 
 want 1 && {
-echo "== 1. throughput (width 64, global batch 512, one GPU)"
-python3 -m benchmarks.throughput --world_size=1 --batch_size=512 --steps=60 --warmup=10
-python3 -m benchmarks.throughput --world_size=1 --batch_size=512 --steps=60 --warmup=10 --compile --skip_seed
+  echo "== 1. profile ($(left) s left)"
+  timeout -k 5 "$(cap 75)" python3 -m benchmarks.gpu_profile --width="$WIDTH" --batch_size="$BATCH" \
+    --steps="${PROFILE_STEPS:-20}" --out "$R/profile.md" 2>&1 | grep -v "^USDT:\|^ERROR:.*DeviceProperties"
+  note "profile: exit ${PIPESTATUS[0]} (table in profile.md)"; cat "$R/profile.md" >> "$R/summary.txt" 2>/dev/null
 }
-want 2 && {
-echo "== 2. GPU idle share over 20 profiled steps"
-python3 -m benchmarks.gpu_profile --width=64 --batch_size=512 --steps=20
-python3 -m benchmarks.gpu_profile --width=64 --batch_size=512 --steps=20 --compile
-}
-want 3 || exit 0
 
-seed_recipe=(--optimizer=adam --lr=1e-3 --schedule=constant --batch_size=256 --weight_decay=0 --label_smoothing=0
-             --augment=False --tta=False --epochs=30)
-for mode in eager compiled seed; do
-  echo "== 3/4/5. accuracy: width 64, $mode"
-  out=runs/gpu-accuracy-$mode
-  rm -rf "$out" "$out.log"
-  mkdir -p runs
-  recipe=(--compile=False)
-  [ $mode = compiled ] && recipe=(--compile=True)
-  [ $mode = seed ] && recipe=("${seed_recipe[@]}")
-  python3 train_distribute.py "${data[@]}" --width=64 --world_size=1 --output_dir="$out" "${recipe[@]}" 2>&1 \
-    | stamp | tee "$out.log"
-  [ -f "$out/pytorch_res.csv" ] || { echo "the $mode accuracy run wrote no CSV"; exit 1; }
-done
-
-python3 - runs/gpu-accuracy-{eager,compiled,seed} <<'PY'
-import re
-import sys
-import pandas as pd
-
-def read(out):
-    """The run's CSV, with launched_seconds: the seconds from launch to the epoch's line (stamped in its log)."""
-    df = pd.read_csv(f"{out}/pytorch_res.csv")
-    with open(f"{out}.log") as f:
-        stamps = dict(
-            (int(m[2]), float(m[1])) for m in (re.match(r"\s*([\d.]+)  epoch (\d+)/", line) for line in f) if m
-        )
-    df["launched_seconds"] = df["epoch"].map(stamps)
-    return df
-
-eager, compiled, seed = (read(out) for out in sys.argv[1:4])
-print(eager[["epoch", "loss", "acc", "epoch_seconds", "launched_seconds", "images_per_second",
-             "write_wait_seconds"]].to_string(index=False))
-for name, df in (("default recipe, eager", eager), ("default recipe, compiled", compiled), ("seed's recipe", seed)):
-    hit = df[df["acc"] >= 0.94]
-    gaps = df["elapsed_seconds"].diff().iloc[1:] - df["epoch_seconds"].iloc[1:]
-    print(f"{name}: start-up {df['launched_seconds'].iloc[0] - df['epoch_seconds'].iloc[0]:.1f} s (launch to "
-          f"epoch 1's line, less the epoch); write stall per epoch: median {gaps.median():.3f} s (time between "
-          f"epochs beyond the epoch itself), waits for the writer {df['write_wait_seconds'].sum():.2f} s in all")
-    if len(hit):
-        first = hit.iloc[0]
-        print(f"{name}: 94% first at epoch {int(first['epoch'])}, {first['launched_seconds']:.1f} s after launch")
-    else:
-        best = df.loc[df["acc"].idxmax()]
-        print(f"{name}: 94% not reached: best {best['acc']:.4f} at epoch {int(best['epoch'])} "
-              f"({best['launched_seconds']:.1f} s after launch)")
-print(f"compile time (first epoch, compiled minus eager): "
-      f"{compiled['epoch_seconds'].iloc[0] - eager['epoch_seconds'].iloc[0]:.1f} s; steady epoch "
-      f"{eager['epoch_seconds'].iloc[2:].median():.3f} s eager, {compiled['epoch_seconds'].iloc[2:].median():.3f} s compiled")
-ahead = compiled[compiled["launched_seconds"].values < eager["launched_seconds"].values]
-print("COMPILE is ahead on the wall clock from launch from epoch " + (str(int(ahead.iloc[0]["epoch"])) if len(ahead)
-      else f"- (never within {len(eager)} epochs)"))
+want 5 && [ -z "${ALLOW_CPU:-}" ] && {
+  echo "== 5. out of GPU memory in epoch 2 ($(left) s left)"
+  out=$W/out-of-memory
+  python3 - "$out" <<'PY' &
+import os, sys, time
+import torch
+torch.empty(1, device="cuda")  # this process's own CUDA context first: the taking itself is then at once
+csv, deadline = os.path.join(sys.argv[1], "pytorch_res.csv"), time.monotonic() + 60
+while not os.path.exists(csv):
+    if time.monotonic() > deadline:
+        sys.exit("other process: no epoch 1 within 60 s")
+    time.sleep(0.002)
+held = None
+for _ in range(20):  # the run allocates and frees as it goes: take what is free now, less 16 MiB
+    free, total = torch.cuda.mem_get_info()
+    try:
+        held = torch.empty(free - (16 << 20), dtype=torch.uint8, device="cuda")
+        break
+    except torch.cuda.OutOfMemoryError:
+        continue
+taken = 0 if held is None else held.numel() / 2**30
+print(f"other process: took {taken:.1f} of {total / 2**30:.1f} GiB once epoch 1's CSV was there", flush=True)
+time.sleep(120)
 PY
+  other=$!
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 5 "$(cap 60)" python3 train_distribute.py --dataset=synthetic \
+    --synthetic_size=20480 --width="$WIDTH" --batch_size="$BATCH" --world_size=1 --epochs=3 --output_dir="$out" \
+    2> "$W/out-of-memory.err"
+  code=$?
+  kill "$other" 2>/dev/null; wait "$other" 2>/dev/null
+  cat "$W/out-of-memory.err"
+  kept=$(python3 -c "import torch; print(torch.load('$out/checkpoint.pt', weights_only=True)['epoch'])" 2>/dev/null)
+  note "out of memory: exit $code (want 1), $(grep -c . "$W/out-of-memory.err") line(s) on stderr, checkpoint of epoch ${kept:-none} (want 1); last line: $(tail -n 1 "$W/out-of-memory.err")"
+  keep
+}
+
+want 2 && {
+  echo "== 2. throughput ($(left) s left)"
+  timeout -k 5 "$(cap 160)" python3 -m benchmarks.throughput --world_size=1 --width="$WIDTH" --batch_size="$BATCH" \
+    --steps="${TP_STEPS:-60}" --warmup="${TP_WARMUP:-10}" --compiled="${TP_COMPILED:-yes}" --results "$R/throughput.json" \
+    | tee "$W/throughput.txt"
+  note "throughput: exit $?"
+  grep -E "^\((a|b|c)|x \|" "$W/throughput.txt" >> "$R/summary.txt"
+}
+
+accuracy() {  # the default recipe on the images, $1 epochs, seed $2; no compile cache of an earlier run
+  local out=$W/accuracy-e$1-s$2
+  TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) TIMEFORMAT="real %R s" \
+    bash -c "time timeout -k 5 $(cap 120) python3 train_distribute.py --dataset=imagefolder --data_dir='$data' \
+      --width=$WIDTH --batch_size=$BATCH --world_size=1 --epochs=$1 --seed=$2 --output_dir='$out'" 2>&1 \
+    | tee "$out.log"
+  note "accuracy, $1 epochs, seed $2: $(grep '^real' "$out.log") wall clock (time python train_distribute.py ...); $(summary "$out" 2>&1)"
+  keep
+  python3 -c "import pandas as pd, sys; sys.exit(pd.read_csv('$out/pytorch_res.csv')['acc'].iloc[-1] < 0.94)" 2>/dev/null
+}
+
+want 3 && {
+  missed=0
+  for seed in 0 1; do
+    echo "== 3. accuracy: $epochs epochs, seed $seed ($(left) s left)"
+    accuracy "$epochs" "$seed" || missed=1
+  done
+  if [ $missed = 1 ] && [ -n "${4:-}" ] && [ "$(left)" -gt 130 ]; then
+    for seed in 0 1; do
+      echo "== 3. accuracy: $4 epochs, seed $seed ($(left) s left)"
+      accuracy "$4" "$seed"
+    done
+  fi
+}
+
+want 4 && {
+  echo "== 4. image folder against synthetic images ($(left) s left)"
+  timeout -k 5 "$(cap 60)" python3 train_distribute.py --dataset=synthetic --synthetic_size="$SYNTHETIC" \
+    --width="$WIDTH" --batch_size="$BATCH" --world_size=1 --epochs=3 --output_dir="$W/synthetic"
+  note "synthetic, $SYNTHETIC images: $(summary "$W/synthetic" 2>&1)"
+  folder=$(ls -d "$W"/accuracy-e*-s0 2>/dev/null | head -n 1)
+  [ -n "$folder" ] && note "image folder ($folder): $(summary "$folder" 2>&1)"
+  keep
+}
+note "done in $((SECONDS - started)) s"
