@@ -253,13 +253,12 @@ def quiet_worker(worker_id: int, rank: int) -> None:
 def decoded(files: ImageFiles, workers: int, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The split decoded once by `workers` processes (on every rank), uint8 NHWC, less the files unreadable now."""
     pixels, labels, marks = (torch.cat(p) for p in zip(*reader(files, EVAL_BATCH, None, workers, False), strict=True))
-    keep = torch.ones(len(files), dtype=torch.bool)
-    keep[readable_enough(files, marks[marks >= 0].tolist(), "left out of the run" if training else None)] = False
+    keep = readable(files, marks[marks >= 0].tolist(), "left out of the run" if training else None)
     return pixels[keep], labels[keep]
 
 
-def readable_enough(files: ImageFiles, bad: list[int], left_out: str | None) -> list[int]:
-    """The files no rank could read in a pass, named by rank 0 in one line; over a tenth stops every rank. DDP."""
+def readable(files: ImageFiles, bad: list[int], left_out: str | None) -> torch.Tensor:
+    """True for each file every rank could read in a pass; rank 0 names the rest in a line (over a tenth stops all)."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, bad)  # DDP: every rank, at the end of each pass
     if found := sorted({i for theirs in everyone for i in theirs}):
@@ -268,7 +267,7 @@ def readable_enough(files: ImageFiles, bad: list[int], left_out: str | None) -> 
             raise UserError(f"{line}; put back good copies and resume; {KEPT}")
         what = left_out or f"the accuracy is over the other {len(files) - len(found):,}"
         print(f"warning: {line}; {what}", file=sys.stderr, flush=True) if dist.get_rank() == 0 else None
-    return found
+    return torch.isin(torch.arange(len(files)), torch.tensor(found, dtype=torch.long), invert=True)
 
 
 # ----------------------------------------------------------------------------- the loaders
@@ -321,8 +320,7 @@ class MemoryLoader(Loader):
 
 
 class StreamLoader(Loader):
-    """A split of an image folder, read from its files as training goes by DataLoader workers, kept for the run. A
-    file that cannot be decoded is left out and named at the end of the pass; a pass with too many stops the run."""
+    """A split of an image folder read as training goes by the DataLoader workers; unreadable files as in readable()."""
 
     def __init__(self, files: ImageFiles, *args: Any, workers: int, **options: Any) -> None:
         super().__init__(*args, **options)
@@ -355,7 +353,7 @@ class StreamLoader(Loader):
                     raise UserError(f"{self.files.unreadable(bad)}; put back good copies and resume; {KEPT}")
                 pixels, labels = pixels[marks < 0], labels[marks < 0]  # the files that cannot be read are left out
             yield self.prepare(pixels.to(self.device, non_blocking=True), generator), labels.to(self.device)
-        readable_enough(self.files, bad, "left out of this pass" if generator else None)  # DDP: every rank
+        readable(self.files, bad, "left out of this pass" if generator else None)  # DDP: every rank
 
 
 def seed_for(*parts: int) -> int:
