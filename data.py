@@ -253,11 +253,11 @@ def quiet_worker(worker_id: int, rank: int) -> None:
 def decoded(files: ImageFiles, workers: int, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The split decoded once by `workers` processes (on every rank), uint8 NHWC, less the files unreadable now."""
     pixels, labels, marks = (torch.cat(p) for p in zip(*reader(files, EVAL_BATCH, None, workers, False), strict=True))
-    keep = readable(files, marks[marks >= 0].tolist(), "left out of the run" if training else None)
+    keep = readable_enough(files, marks[marks >= 0].tolist(), "left out of the run" if training else None)
     return pixels[keep], labels[keep]
 
 
-def readable(files: ImageFiles, bad: list[int], left_out: str | None) -> torch.Tensor:
+def readable_enough(files: ImageFiles, bad: list[int], left_out: str | None) -> torch.Tensor:
     """True for each file every rank could read in a pass; rank 0 names the rest in a line (over a tenth stops all)."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, bad)  # DDP: every rank, at the end of each pass
@@ -320,7 +320,7 @@ class MemoryLoader(Loader):
 
 
 class StreamLoader(Loader):
-    """A split of an image folder read as training goes by the DataLoader workers; unreadable files as in readable()."""
+    """A split of an image folder read as training goes by the DataLoader workers; unreadable files as in readable_enough()."""
 
     def __init__(self, files: ImageFiles, *args: Any, workers: int, **options: Any) -> None:
         super().__init__(*args, **options)
@@ -353,7 +353,7 @@ class StreamLoader(Loader):
                     raise UserError(f"{self.files.unreadable(bad)}; put back good copies and resume; {KEPT}")
                 pixels, labels = pixels[marks < 0], labels[marks < 0]  # the files that cannot be read are left out
             yield self.prepare(pixels.to(self.device, non_blocking=True), generator), labels.to(self.device)
-        readable(self.files, bad, "left out of this pass" if generator else None)  # DDP: every rank
+        readable_enough(self.files, bad, "left out of this pass" if generator else None)  # DDP: every rank
 
 
 def seed_for(*parts: int) -> int:
