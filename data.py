@@ -320,7 +320,7 @@ class MemoryLoader(Loader):
 
 
 class StreamLoader(Loader):
-    """A split of an image folder read as training goes by the DataLoader workers; unreadable files as in readable_enough()."""
+    """A split of an image folder read as training goes by DataLoader workers; unreadable files: readable_enough()."""
 
     def __init__(self, files: ImageFiles, *args: Any, workers: int, **options: Any) -> None:
         super().__init__(*args, **options)
