@@ -4,12 +4,9 @@
 
 Each PATH is an image file, or a folder listed as training lists one (sub-folders too; hidden and ._ files skipped).
 Prints CSV (UTF-8): path,class,probability, one row per image, sorted by path; messages go to stderr, and `accuracy A
-on N images` over the images whose first folder below a PATH names a class (a run's test/, say). In code:
-
-    from predict import Classifier
-    classifier = Classifier("output/checkpoint.pt")  # network, weights, preprocessing and class names
-    probabilities = classifier(["photo.png"])        # images x classes; classifier.classes names the columns
-    classifier.module                                # the same from decoded images, to save with torch.export
+on N images` over the images whose first folder below a PATH names a class (a run's test/, say). In code,
+`Classifier("output/checkpoint.pt")(["photo.png"])` gives images x classes probabilities (`.classes` names the
+columns), and its `.module` does the same from decoded images, to save with torch.export.
 """
 
 import csv
@@ -41,9 +38,8 @@ class Classifier:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = train_distribute.make_model(cfg, len(self.classes))
         if differs := start.compare_weights(self.model, saved["model"])[1]:
-            raise UserError(
-                f"{path} holds another network than make_model builds ({differs}); use the code that made it"
-            )
+            other = f"{path} holds another network than make_model builds ({differs})"
+            raise UserError(f"{other}; use the code that made it")
         self.model.load_state_dict(saved["model"])
         self.model.to(self.device).eval().requires_grad_(False)  # fp32, plain layout, no gradients: as exports want
         loader = data.Loader(False, saved["data"]["mean"], saved["data"]["std"], self.device, torch.contiguous_format)

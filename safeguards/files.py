@@ -1,6 +1,5 @@
-"""Rank 0's files in OUTPUT_DIR and its lines on the console. Each file is written to a temporary name and renamed over
-the old one (a crash or kill -9 at any moment leaves the previous whole file or the new whole file), on a background
-thread so that training never waits for the disk."""
+"""Rank 0's files in OUTPUT_DIR and its console lines. Each is written to a temporary name and renamed over the old one
+(a crash or kill -9 leaves the old whole file or the new one), on its own thread: training never waits for the disk."""
 
 import copy
 import os
@@ -21,7 +20,6 @@ from safeguards.failures import UserError, first_line
 CSV_NAME, PLOT_NAME, CHECKPOINT_NAME = "pytorch_res.csv", "pytorch_res.png", "checkpoint.pt"
 RESULT_FILES = (CSV_NAME, PLOT_NAME, CHECKPOINT_NAME)
 EVENTS_PREFIX = "events.out.tfevents."  # TensorBoard's event files (TENSORBOARD=True)
-TENSORBOARD_COLUMNS = ("loss", "acc", "test_loss", "lr", "images_per_second")
 PLOT_SHARE = 0.02  # the picture, the slowest file, is redrawn at most this share of the time
 PROGRESS_EVERY = 60.0  # seconds between an epoch's progress lines in a log file (a terminal gets a live bar)
 
@@ -73,7 +71,7 @@ class ResultWriter:
         write_csv(history, self.output_dir)  # after the checkpoint: the CSV can always be rebuilt from it
         self.saved = history
         if self.events:  # TensorBoard's curves, beside the CSV
-            for name in TENSORBOARD_COLUMNS:
+            for name in ("loss", "acc", "test_loss", "lr", "images_per_second"):
                 self.events.add_scalar(name, history[-1][name], history[-1]["epoch"])
             self.events.flush()
         if time.monotonic() >= self.next_plot:
@@ -94,7 +92,6 @@ def write_failure(error: Exception, output_dir: str) -> str:
 
 
 def write_atomically(path: str, write: Callable[[str], None]) -> None:
-    """write(temporary_path), then rename it to `path` in one step."""
     temporary = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"
     try:
         write(temporary)
@@ -150,15 +147,13 @@ def describe(model: torch.nn.Module, cfg: Any, info: Any, data: dict, steps: int
     left = data["train_images"] - steps * cfg.BATCH_SIZE  # the last partial batch of every epoch
     batches = f"global batch {cfg.BATCH_SIZE}" + f" in {cfg.ACCUMULATE} micro-batches" * (cfg.ACCUMULATE > 1)
     batches += f", {steps} steps per epoch" + f" ({left:,} images left out each)" * (left > data["train_images"] / 100)
-    return (
-        f"{type(model).__name__}({parameters}) | {images} | loader {data['loader']} | {info.world_size} rank(s) on "
-        f"{info.device.type} ({info.backend}) | {batches}, {cfg.EPOCHS} epochs | {cfg.OPTIMIZER} | {precision}"
-    )
+    ranks = f"{info.world_size} rank(s) on {info.device.type} ({info.backend})"
+    run = f"{batches}, {cfg.EPOCHS} epochs | {cfg.OPTIMIZER} | {precision}"
+    return f"{type(model).__name__}({parameters}) | {images} | loader {data['loader']} | {ranks} | {run}"
 
 
 def progress(batches: Iterable, steps: int, epoch: int, cfg: Any) -> Iterator:
-    """An epoch's batches, its progress shown: on a terminal a bar with the rate and the time left (tqdm); in a log
-    file a line every PROGRESS_EVERY seconds."""
+    """An epoch's batches: on a terminal a bar with rate and time left (tqdm), in a log a line per PROGRESS_EVERY."""
     if sys.stderr.isatty():
         from tqdm import tqdm
 
@@ -176,9 +171,8 @@ def progress(batches: Iterable, steps: int, epoch: int, cfg: Any) -> Iterator:
 
 def epoch_line(row: dict, epochs: int) -> str:
     shown = f"loss {row['loss']:.4f}  acc {row['acc']:.4f}  test_loss {row['test_loss']:.4f}  lr {row['lr']:.4g}"
-    return (
-        f"epoch {row['epoch']}/{epochs}  {shown}  {row['epoch_seconds']:.1f} s  {row['images_per_second']:,.0f} img/s"
-    )
+    speed = f"{row['epoch_seconds']:.1f} s  {row['images_per_second']:,.0f} img/s"
+    return f"epoch {row['epoch']}/{epochs}  {shown}  {speed}"
 
 
 def summary_line(history: list[dict], output_dir: str) -> str:

@@ -1,7 +1,5 @@
-"""The constants at the top of the training script as its command line: `--name value` or `--name=value` for each
-UPPER_CASE constant with a type annotation, `--help` with its type, default, choices and the comment on its line,
-and one line for a value of the wrong type or out of range (in the file or on the command line); then every check
-that needs no rank, each one line naming the fix."""
+"""The training script's annotated UPPER_CASE constants as its command line: --name value or --name=value, --help
+with type, default and comment; a bad value (type or range) and each check that needs no rank fail in one line."""
 
 import argparse
 import importlib.util
@@ -37,7 +35,8 @@ def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
         default, choices = getattr(script, name), typing.get_args(kind) or None
         kind = type(choices[0]) if choices else kind
         if type(default) not in (kind, int if kind is float else kind) or default not in (choices or [default]):
-            raise UserError(f"{name} = {default!r} at the top of {script.__file__} is not {_kind(kind, choices)}")
+            expected = "one of " + ", ".join(map(str, choices)) if choices else KINDS[kind]
+            raise UserError(f"{name} = {default!r} at the top of {script.__file__} is not {expected}")
         DEFAULTS[name] = default
         help_text = f"{comments.get(name, '')} (default: {default})".replace("%", "%%")
         bare = {"nargs": "?", "const": True} if kind is bool else {}  # a bare --resume means True
@@ -57,16 +56,13 @@ def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
 
 
 def read_and_check(script: ModuleType, argv: list[str]) -> SimpleNamespace:
-    """The script's settings, once they pass every check that needs no rank, before anything starts (in the launcher;
-    under torchrun in every rank before it joins the group)."""
-    cfg = read(script, argv)
-    check(cfg)
-    return cfg
+    """The settings once they pass every check that needs no rank: in the launcher, and in each torchrun rank."""
+    return check(read(script, argv))
 
 
-def check(cfg: SimpleNamespace) -> None:
-    """The checks that need no rank (a resume's settings pass them again). Ranks that would share a GPU are refused
-    where each chooses its device (distribute_tools.setup)."""
+def check(cfg: SimpleNamespace) -> SimpleNamespace:
+    """The checks that need no rank (a resume's settings pass them again); returns `cfg`. Ranks that would share a GPU
+    are refused where each chooses its device (distribute_tools.setup)."""
     world_size = distribute_tools.world_size(cfg.WORLD_SIZE)
     if cfg.BATCH_SIZE % (world_size * cfg.ACCUMULATE):
         split = f"{world_size} ranks x {cfg.ACCUMULATE} micro-batches" if cfg.ACCUMULATE > 1 else f"{world_size} ranks"
@@ -75,6 +71,7 @@ def check(cfg: SimpleNamespace) -> None:
         raise UserError(f"IMAGE_SIZE={cfg.IMAGE_SIZE} but CIFAR-10's images are 32x32; use --image_size 32")
     if cfg.TENSORBOARD and importlib.util.find_spec("tensorboard") is None:
         raise UserError("TENSORBOARD=True needs the tensorboard package: pip install tensorboard, or leave it False")
+    return cfg
 
 
 def resumed(cfg: SimpleNamespace, saved: dict[str, Any], restart: str = "") -> tuple[SimpleNamespace, list[str]]:
@@ -92,19 +89,14 @@ def resumed(cfg: SimpleNamespace, saved: dict[str, Any], restart: str = "") -> t
         if value != was and name not in FREE_ON_RESUME and not extended:
             who = f"this start is a restart ({restart})" if restart else "RESUME=True"
             fix = f"set {name} back to {was!r}" if restart else f"resume without --{name.lower()}"
-            raise UserError(
-                f"{who}: {name}={value!r} differs from the checkpoint's {was!r} in {cfg.OUTPUT_DIR}; "
-                f"{fix}, or start a new run in another --output_dir"
-            )
+            differs = f"{name}={value!r} differs from the checkpoint's {was!r} in {cfg.OUTPUT_DIR}"
+            raise UserError(f"{who}: {differs}; {fix}, or start a new run in another --output_dir")
         merged[name] = value
     lines = [f"the checkpoint's settings, not the block's: {', '.join(taken)}"] if taken else []
     if (epochs := merged["EPOCHS"]) > saved["EPOCHS"]:
-        lines.append(
-            f"extended from {saved['EPOCHS']} to {epochs} epochs: the schedule is recomputed over {epochs}, so the "
-            f"numbers differ from those of a run started with --epochs {epochs}"
-        )
-    check(SimpleNamespace(**merged))
-    return SimpleNamespace(**merged), lines
+        longer = f"extended from {saved['EPOCHS']} to {epochs} epochs: the schedule is recomputed over {epochs}"
+        lines.append(f"{longer}, so the numbers differ from those of a run started with --epochs {epochs}")
+    return check(SimpleNamespace(**merged)), lines
 
 
 def _converter(name: str, kind: type) -> Any:
@@ -115,13 +107,9 @@ def _converter(name: str, kind: type) -> Any:
                 raise ValueError
             return value
         except (KeyError, ValueError):
-            raise UserError(f"--{name.lower()}={text} is not {_kind(kind, None)}") from None
+            raise UserError(f"--{name.lower()}={text} is not {KINDS[kind]}") from None
 
     return convert
-
-
-def _kind(kind: type, choices: tuple | None) -> str:
-    return "one of " + ", ".join(map(str, choices)) if choices else KINDS[kind]
 
 
 class _OneLineParser(argparse.ArgumentParser):

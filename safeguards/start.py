@@ -23,16 +23,13 @@ _held: list[filelock.BaseFileLock] = []  # rank 0's lock on OUTPUT_DIR, held unt
 
 
 def decide(cfg: SimpleNamespace, saved: dict[str, Any] | None, restart: str | None = None) -> tuple[str, Any, list]:
-    """'new', 'resume' or 'finished', from the settings and the checkpoint a start would continue (None: none), and
-    what makes the start a restart (`restart`; by default this process's restart counts); with the settings the run
-    goes on with (a resume's are the checkpoint's: settings.resumed) and the lines that tell how they differ."""
+    """'new', 'resume' or 'finished' for the checkpoint a start would continue (None: none) and what makes it a restart
+    (by default restarted_by()), with the settings it goes on with and lines on them (settings.resumed)."""
     restart = restarted_by() if restart is None else restart
-    if not (cfg.RESUME or restart):
+    if cfg.RESUME and saved is None:
+        raise UserError(f"RESUME=True but there is no checkpoint in {cfg.OUTPUT_DIR}; start a new run without it")
+    if not (cfg.RESUME or restart) or saved is None:  # a restart before the run's first checkpoint starts it again
         return "new", cfg, []
-    if saved is None:
-        if cfg.RESUME:
-            raise UserError(f"RESUME=True but there is no checkpoint in {cfg.OUTPUT_DIR}; start a new run without it")
-        return "new", cfg, []  # a restart before the run's first checkpoint starts it again
     cfg, lines = settings.resumed(cfg, saved["config"], "" if cfg.RESUME else restart)
     if int(saved["epoch"]) < cfg.EPOCHS:
         return "resume", cfg, lines
@@ -75,9 +72,8 @@ def lock(output_dir: str, wait_s: float) -> filelock.BaseFileLock:
 
 
 def all_ranks_begin(cfg: SimpleNamespace, info: DistInfo) -> tuple[str, dict[str, Any] | None, SimpleNamespace]:
-    """DDP: every rank. Rank 0 decides on its OUTPUT_DIR's checkpoint and makes OUTPUT_DIR this run's; every rank gets
-    the decision, the checkpoint and the settings (a resume's are the checkpoint's). A start is a restart if any
-    rank's is one: a machine started again joins."""
+    """DDP: every rank gets rank 0's decision, checkpoint and settings (_begin). A start is a restart if any rank's is
+    one: a machine started again joins."""
     everyone: list[Any] = [None] * info.world_size
     dist.all_gather_object(everyone, restarted_by())  # DDP: what makes each rank's start a restart, if anything
     restart = next((said for said in everyone if said), "")
@@ -120,10 +116,8 @@ def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, ide
         was = f"the checkpoint in {folder} was trained on other data ({checkpoint['data']['identity']}, now {identity})"
         raise UserError(f"{was}; resume on the same data, or start a new run without --resume")
     if differs := compare_weights(model, checkpoint["model"])[1]:
-        raise UserError(
-            f"the checkpoint in {folder} is of another network ({differs}); resume with the network that wrote it, "
-            f"or start a new run in another --output_dir"
-        )
+        was = f"the checkpoint in {folder} is of another network ({differs})"
+        raise UserError(f"{was}; resume with the network that wrote it, or start a new run in another --output_dir")
     model.load_state_dict(checkpoint["model"])
     for group, current in zip(checkpoint["optimizer"]["param_groups"], optimizer.param_groups, strict=True):
         group.update(fused=current.get("fused"), foreach=current.get("foreach"))  # this machine's kernels
@@ -159,10 +153,8 @@ def init_from(model: torch.nn.Module, path: str) -> None:
     if loaded < total / 2:
         there = f"{list(weights[left[0]].shape)} in it" if left[0] in weights else "not in it"
         first = f"first mismatch {left[0]}: {there}, {list(parameters[left[0]].shape)} in the network"
-        raise UserError(
-            f"INIT_FROM {path} fits {loaded:,} of the network's {total:,} parameters ({first}); give a checkpoint of "
-            "this network (the same layers and widths; the head may differ)"
-        )
+        fix = "give a checkpoint of this network (the same layers and widths; the head may differ)"
+        raise UserError(f"INIT_FROM {path} fits {loaded:,} of the network's {total:,} parameters ({first}); {fix}")
     model.load_state_dict(fits, strict=False)
     if dist.get_rank() == 0:
         named = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
