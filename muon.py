@@ -65,25 +65,23 @@ class MuonSGD(torch.optim.Optimizer):
 
 
 def orthogonalise_shared(updates: list[torch.Tensor], dtype: torch.dtype, made: dict) -> list[torch.Tensor]:
-    """Each update orthogonalised as a matrix (rows x the rest, short side first), several in one batch, zero-padded
-    in a 3-D tensor made once (in `made`): zero rows and columns are exact for Newton-Schulz (they stay zero; the norm
-    and Gram products are unchanged). A GPU's step is bound by launches (20 a batch), a CPU's by the products: banks
-    of one short side share a batch (width 64: 12 banks, 10 shapes, 5 short sides; the padding adds 18% to the
-    multiply-adds, 1% of a CPU step), and smaller ones join while that adds at most 1% more (3 batches, not 12).
-    In a process group, each rank orthogonalises its share (dealt out by cost, the dearest first, like cards) into
-    one flat tensor that is zero elsewhere, and one all-reduce sums the shares: every rank gets every result. The
-    updates are the same on every rank (DDP averaged the gradients), and so are the weights after the step."""
+    """Each update orthogonalised as a matrix (rows x the rest), several at once, zero-padded in 3-D tensors made once
+    (in `made`): zero rows and columns stay zero in Newton-Schulz and change neither the norm nor the Gram products.
+    A GPU's step is bound by launches (20 a batch), a CPU's by products: banks of one short side share a batch (width
+    64: 12 banks, 10 shapes, 5 short sides; 18% more multiply-adds, 1% of a CPU step), and a smaller bank joins if it
+    adds at most 1% (3 batches). In a process group, each rank orthogonalises its share (dealt out by cost, the
+    dearest first, like cards) into one flat tensor, zero elsewhere, and one all-reduce sums the shares: every rank
+    gets every result. The updates are the same on every rank (DDP averaged them), and so are the weights after."""
     grouped = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
     wide = [tuple(sorted((len(u), u[0].numel()))) for u in updates]  # each as a matrix, its short side first
     cost = [2 * rows * rows * columns + rows**3 for rows, columns in wide]  # multiply-adds of an iteration
     mine = sorted(range(len(wide)), key=lambda i: -cost[i])[rank::world_size]
-    spare, batches = sum(cost[i] for i in mine) / 100, []  # padding may add 1% to this rank's products
+    spare, batches = sum(cost[i] for i in mine) / 100, []  # 1% of this rank's products
     for i in sorted(mine, key=lambda i: wide[i], reverse=True):  # by short side, then long side
         rows, columns = wide[batches[-1][0]] if batches else (0, 0)
         extra = 0 if wide[i][0] == rows else 2 * rows * rows * columns + rows**3 - cost[i]
         if batches and wide[i][1] <= columns and extra <= spare:
-            spare -= extra
             batches[-1].append(i)
         else:
             batches.append([i])
@@ -92,15 +90,13 @@ def orthogonalise_shared(updates: list[torch.Tensor], dtype: torch.dtype, made: 
         matrix = padded[: wide[i][0], : wide[i][1]]
         return (matrix if wide[i][0] == len(updates[i]) else matrix.T).view(updates[i].shape)
 
-    slots, results = {}, {}  # each of this rank's banks: its place in a padded batch; its result
+    results = {}  # each of this rank's banks: its result
     for banks in batches:  # made at the first step: the padding stays zero
         if (key := tuple(wide[i] for i in banks)) not in made:
             kind = dtype if key[0][0] >= BF16_FROM else torch.float32
             made[key] = torch.zeros(len(key), *key[0], dtype=kind, device=updates[0].device)
-        slots |= {i: as_update(made[key][j], i) for j, i in enumerate(banks)}
-    torch._foreach_copy_(list(slots.values()), [updates[i] for i in slots]) if slots else None  # (not to no lists)
-    for banks in batches:
-        out = newton_schulz(made[tuple(wide[i] for i in banks)]).float()
+        torch._foreach_copy_([as_update(made[key][j], i) for j, i in enumerate(banks)], [updates[i] for i in banks])
+        out = newton_schulz(made[key]).float()
         results |= {i: as_update(out[j], i) for j, i in enumerate(banks)}
     if world_size > 1:
         sizes = [u.numel() for u in updates]

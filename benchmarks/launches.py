@@ -35,7 +35,7 @@ import muon
 import train_distribute as td
 from distribute_tools import DistInfo
 from resnet import ResNet
-from safeguards import settings
+from safeguards import files, settings
 
 PHASES = ("batch", "forward", "backward", "optimizer", "metrics", "other")
 # Which phase a line of a step loop belongs to: the first word found in the line's text decides.
@@ -99,6 +99,7 @@ def project_counts(args: argparse.Namespace, info: DistInfo) -> OpCounter:
     run = td.build_run(cfg, info)
     run.bf16 = True  # as on a GPU, also where this CPU would train in fp32
     run.optimizer = muon.make_optimizer(cfg, run.model, td.peak_lr(cfg), info.device, True)
+    files.PROGRESS_EVERY = float("inf")  # no progress lines between the figures
     td.train_epoch(run, 1)
     with OpCounter("train_epoch", "train_step") as counter:
         td.train_epoch(run, 2)
