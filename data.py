@@ -1,8 +1,8 @@
-"""The data: CIFAR-10, your image folder or generated images, as each rank's batches, cropped, flipped and normalised
-on the device. Two loaders with one interface:
+"""CIFAR-10, your image folder or generated images, as each rank's batches, cropped, flipped and normalised on the
+device, by two loaders with one interface:
 
-    MemoryLoader  CIFAR-10, generated images or an image folder that fits, the whole split on the device as uint8: per
-                  epoch this rank's shard of one permutation that every rank draws alike, batches cut by indexing
+    MemoryLoader  CIFAR-10, generated images or an image folder that fits, on the device as uint8: per epoch this
+                  rank's shard of one permutation every rank draws alike, batches cut by indexing
     StreamLoader  a larger image folder: DataLoader + DistributedSampler (the same order), workers decoding the files"""
 
 import hashlib
@@ -184,9 +184,8 @@ def decode(path: str, size: int) -> np.ndarray:
 
 
 class ImageFiles(Dataset):
-    """A split of an image folder, read from its files. A file that cannot be decoded becomes a black image marked
-    with its index, which StreamLoader leaves out and names, instead of one worker's traceback stopping one rank.
-    Paths are one numpy array: a worker gets it in one piece (a list's reference counts would copy it page by page)."""
+    """A split of an image folder. A file that cannot be decoded becomes a black image marked with its index (left out
+    and named), not a worker's traceback. Paths are one numpy array: a list's reference counts copy it page by page."""
 
     def __init__(self, samples: list[tuple[str, int]], size: int) -> None:
         self.paths = np.array([os.fsencode(path) for path, _ in samples])
@@ -208,10 +207,9 @@ class ImageFiles(Dataset):
 
 
 def reader(files: ImageFiles, batch_size: int, sampler: Any, workers: int, pin: bool, **options: Any) -> DataLoader:
-    """Batches of `files` in the order of `sampler`, decoded by `workers` processes a few batches ahead, kept for the
-    run (workers=0: in this process, where a debugger reaches it). The workers come from a fork server, not a fork of
-    the rank: that copies the locks its other threads hold (loader queues, the writer), and can hang on one for good,
-    and the fork would hold the rank's open files, OUTPUT_DIR's lock among them."""
+    """Batches of `files` in `sampler`'s order, decoded a few ahead by `workers` processes kept for the run (0: in this
+    process, where a debugger reaches it), from a fork server: a fork of the rank copies the locks its threads hold
+    (loader queues, the writer) and can hang on one for good, and would hold the rank's files (OUTPUT_DIR's lock)."""
     parallel: dict[str, Any] = {}
     if workers:
         parallel = {"multiprocessing_context": forkserver_context(), "prefetch_factor": 4, "persistent_workers": True}
@@ -235,9 +233,8 @@ def forkserver_context() -> Any:
 
 
 def quiet_worker(worker_id: int, rank: int) -> None:
-    """A worker leaves stopping to its rank, and ends with it: a thread waits for the rank's end (Linux's pidfd), at
-    once if the rank is gone. (Its parent, the fork server, ends once the rank and its workers have.) A connection
-    that the rank dropped (it stopped amid a batch's hand-over: multiprocessing's fd sharing) is no news."""
+    """A worker leaves stopping to its rank and ends with it (a thread waits on the rank's pidfd; the fork server ends
+    after them). A connection the rank dropped (stopped amid a batch's hand-over) is no news."""
     ignore_stop_signals()
     report = sys.excepthook
     sys.excepthook = lambda kind, *rest: None if issubclass(kind, (ConnectionError, EOFError)) else report(kind, *rest)

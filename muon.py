@@ -1,10 +1,7 @@
-"""The optimizers: Muon for the convolution filters, Nesterov SGD for everything else, in one optimizer (the default),
-or plain Nesterov SGD, or Adam (the seed's).
-
-Muon (momentum, then orthogonalisation) takes each filter bank's momentum as a matrix (out_channels x the rest)
-and replaces it by the nearest matrix whose singular values are all about 1, with a few Newton-Schulz iterations:
-every direction of the update moves by about the same amount, however unequal the gradient's directions are.
-Own implementation (torch.optim.Muon, torch 2.9 and newer, takes only 2-D parameters); it runs on torch 2.4 on."""
+"""The optimizers: Muon on the convolution filters with Nesterov SGD on the rest (the default), SGD, Adam (the seed's).
+Muon takes each filter bank's momentum as a matrix (out_channels x the rest) and replaces it by the nearest matrix
+whose singular values are all about 1 (Newton-Schulz iterations): every direction of the update moves about as much,
+however unequal the gradient's. Our own: torch.optim.Muon (torch 2.9 on) takes only 2-D parameters."""
 
 from typing import Any
 
@@ -30,9 +27,8 @@ def newton_schulz(x: torch.Tensor) -> torch.Tensor:
 
 
 class MuonSGD(torch.optim.Optimizer):
-    """Nesterov momentum for every parameter; for 4-D ones (convolution filters) the step is orthogonalised and scaled
-    to the shape, `muon_scale` times the group's learning rate. L2 weight decay as SGD adds it. With `bf16`, larger
-    banks are orthogonalised in bf16, as Muon's authors do (3x faster than fp32 at width 64 on a native-bf16 CPU)."""
+    """Nesterov momentum and SGD's L2 decay for every parameter; 4-D ones' (filters') steps orthogonalised, scaled to
+    the shape, `muon_scale` x the LR. `bf16`: larger banks in bf16, as Muon's authors do (3x fp32's speed on a CPU)."""
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float, muon_scale: float, bf16: bool) -> None:
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "muon_scale": muon_scale}
@@ -67,11 +63,10 @@ class MuonSGD(torch.optim.Optimizer):
 def orthogonalise_shared(updates: list[torch.Tensor], dtype: torch.dtype, made: dict) -> list[torch.Tensor]:
     """Each update orthogonalised as a matrix (rows x the rest), several at once, zero-padded in 3-D tensors made once
     (in `made`): zero rows and columns stay zero in Newton-Schulz and change neither the norm nor the Gram products.
-    A GPU's step is bound by launches (20 a batch), a CPU's by products: banks of one short side share a batch (width
-    64: 12 banks, 10 shapes, 5 short sides; 18% more multiply-adds, 1% of a CPU step), and a smaller bank joins if it
-    adds at most 1% (3 batches). In a process group, each rank orthogonalises its share (dealt out by cost, the
-    dearest first, like cards) into one flat tensor, zero elsewhere, and one all-reduce sums the shares: every rank
-    gets every result. The updates are the same on every rank (DDP averaged them), and so are the weights after."""
+    A GPU's step is bound by launches (20 a batch), a CPU's by products: banks of one short side share a batch, and a
+    smaller bank joins if it adds at most 1% (width 64: 12 banks in 3 batches; 18% more multiply-adds, 1% of a CPU
+    step). In a process group each rank does its share (dealt by cost, dearest first) into one flat tensor, zero
+    elsewhere, and one all-reduce sums the shares (the updates, DDP's averages, are alike on every rank)."""
     grouped = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
     wide = [tuple(sorted((len(u), u[0].numel()))) for u in updates]  # each as a matrix, its short side first

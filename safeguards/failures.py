@@ -59,10 +59,9 @@ def kept_files(line: str = KEPT) -> str:
 
 
 def handle_stop_signals() -> None:
-    """From here on the first stop signal raises Stopped; a later one changes nothing (the files are being finished).
-    Once the rank is ending, or while a lost peer's error unwinds (the signal that ended the peer reached this rank
-    too), it is only noted: the files are finished all the same. A signal held back until now
-    (hold_stop_signals_for_ranks) arrives here."""
+    """From here on the first stop signal raises Stopped (a later one changes nothing: the files are being finished);
+    once the rank is ending, or while a lost peer's error unwinds (the peer's signal reached this rank too), it is only
+    noted. A signal held back until now (hold_stop_signals_for_ranks) arrives here."""
 
     def on_signal(signum: int, frame: object) -> None:
         if not _received:
@@ -91,8 +90,7 @@ def watch_stop_signals(on_stop: Callable[[int], None]) -> None:
 
 
 def end_if_stuck(signum: int) -> None:
-    """A stop that the rank's main thread did not take in time (it waits in C++) ends the rank now, in its line. One
-    taken in time lets the rank finish its files first (rank 0's writer)."""
+    """A stop the main thread did not take in time (it waits in C++) ends the rank now; one taken lets it finish."""
     time.sleep(3)  # the main thread's time to take it
     if _received or not _claim.acquire(blocking=False):
         return
@@ -109,9 +107,8 @@ def ignore_stop_signals() -> None:
 
 
 def hold_stop_signals_for_ranks() -> None:
-    """Rank processes started from now on inherit the stop signals held back, so that a Ctrl-C while they import
-    torch is no traceback. This process still gets them: the watching thread, which does not hold them back, takes
-    them, and Python runs the handlers in the main thread as always."""
+    """Ranks started from now on inherit the stop signals held back (a Ctrl-C while they import torch: no traceback).
+    This process still gets them through the watching thread, which does not hold them back."""
     watch_stop_signals(stop_ranks)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
@@ -138,10 +135,9 @@ def guard_parent(launcher: str | None) -> None:
 
 
 def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
-    """The process group's store: torch's env:// one, in a part that is this start's alone. torchrun keeps its store
-    across restarts (pytorch#135712): an earlier attempt's keys there would connect the group to ranks that are gone.
-    Rank 0 names a new part; another rank uses the name it read once rank 0 answered its question asked in that part
-    (a name left by an earlier attempt gets no answer: its rank 0 is gone), else reads the name again."""
+    """torch's env:// store, in a part that is this start's alone: torchrun keeps its store across restarts, and an
+    earlier attempt's keys would connect the group to ranks that are gone (pytorch#135712). Rank 0 names a new part;
+    another rank uses a name once rank 0 answered its question asked there (an earlier attempt's name gets none)."""
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
     if rank == 0:
         part = uuid.uuid4().hex
@@ -259,9 +255,8 @@ def outcome(error: BaseException) -> tuple[int, str]:
 
 
 def _say(code: int, line: str) -> None:
-    """Under our launcher the line goes to the launcher, which prints the run's; under torchrun this rank prints it
-    where it is the one to: each machine's local rank 0 for a stop or a mistake, every rank for a failure. (torchrun
-    restarts a mistake as any failure while restarts are left: it fails again, in the same line.)"""
+    """Under our launcher the line goes to the launcher, which prints the run's; under torchrun each machine's local
+    rank 0 prints a stop or a mistake, every rank a failure (torchrun restarts a mistake: it fails again, alike)."""
     sys.stdout.flush()
     if os.environ.get(LAUNCHER_PID):
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
