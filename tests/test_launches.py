@@ -4,8 +4,10 @@ this project and for the seed's step."""
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import launches
-from tests.conftest import call
+from tests.conftest import SETTINGS, call
 
 # Non-view operations per step of a whole epoch at width 8, default settings, one rank: 330.5 on torch 2.14.1, 342.5 on
 # 2.4.1 (the seed's step: 368 and 380). A change that adds launches to every step fails here first.
@@ -21,6 +23,7 @@ def count(out_dir: str) -> int:
     return 0
 
 
+@pytest.mark.skipif("WIDTH" not in SETTINGS, reason="the budget is the template ResNet's; another network swapped in")
 def test_a_training_step_issues_fewer_operations_than_the_seeds_and_muon_makes_no_tensor_per_step(tmp_path):
     result = call("tests.test_launches:count", str(tmp_path))
     assert result.returncode == 0, result.stderr
