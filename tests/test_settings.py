@@ -9,11 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import data
 import train_distribute as td
 from safeguards import settings
 from safeguards.failures import UserError
-from tests.conftest import ROOT, SCRIPT, SETTINGS, python_path, read_config, snapshot
+from tests.conftest import ROOT, SCRIPT, SETTINGS, python_path, read_config, run_script, snapshot
 
 RESTART = "TORCHELASTIC_RESTART_COUNT=1"
 
@@ -167,17 +166,19 @@ def test_a_copy_of_the_file_with_good_values_reads_its_own_defaults(tmp_path, mo
 
 
 def test_cifar10_with_an_image_folder_for_data_dir_is_refused_before_anything_is_written_there(tmp_path):
-    """DATASET=cifar10 (the default) where --dataset imagefolder was meant: no download, no lock file among the
-    user's images. data.prepare runs in the launcher, and under torchrun in every rank."""
-    (tmp_path / "train" / "cat").mkdir(parents=True)
-    (tmp_path / "train" / "cat" / "0.png").write_bytes(b"an image")
-    before = snapshot(tmp_path)
-    with pytest.raises(UserError) as refusal:
-        data.prepare(read_config([f"--data_dir={tmp_path}"]))
-    assert str(refusal.value) == (
-        f"DATA_DIR {tmp_path} holds train/<class>/ folders, no CIFAR-10; add --dataset imagefolder"
+    """DATASET=cifar10 (the default) where --dataset imagefolder was meant: a real run refuses in one line, with no
+    download and no lock file among the user's images (data.prepare: in the launcher, and under torchrun every rank)."""
+    images = tmp_path / "images"
+    (images / "train" / "cat").mkdir(parents=True)
+    (images / "train" / "cat" / "0.png").write_bytes(b"an image")
+    before = snapshot(images)
+    result = run_script(f"--data_dir={images}", f"--output_dir={tmp_path / 'out'}")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert (
+        result.stderr
+        == f"error: DATA_DIR {images} holds train/<class>/ folders, no CIFAR-10; add --dataset imagefolder\n"
     )
-    assert snapshot(tmp_path) == before
+    assert snapshot(images) == before
 
 
 def test_every_setting_is_read_somewhere_besides_the_settings_module():
