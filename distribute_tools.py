@@ -65,9 +65,8 @@ def world_size(requested: int) -> int:
 
 
 def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args: Any) -> None:
-    """Run `entrypoint` (a program such as sys.executable, or a function) with `args` in `world_size` rank processes on
-    this machine through torch's elastic agent, torchrun's engine. Raises ChildFailedError when a rank fails (the agent
-    stops the others) and SignalException when this process is stopped (the agent passes the signal on to the ranks)."""
+    """`entrypoint` (a program such as sys.executable, or a function) with `args` in `world_size` ranks here, through
+    torchrun's engine: ChildFailedError when a rank fails (the others stopped), SignalException when we are stopped."""
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex, max_restarts=0)
     config.rdzv_backend, config.rdzv_endpoint = "c10d", "localhost:0"  # a standalone rendezvous on a free port
     # 127.0.0.1: else the agent hands the ranks this machine's full hostname, which may not resolve
@@ -96,9 +95,8 @@ def choose_device(local_rank: int, local_world_size: int, gpus: int) -> tuple[to
 
 def setup(timeout_s: float = 600.0) -> DistInfo:
     """Join the process group. A collective that waits longer than `timeout_s` fails instead of hanging."""
-    # torch.distributed.nn holds the default group if it is first imported after the group exists (DDP imports it),
-    # and its gloo threads then outlive destroy_process_group: at exit one aborted the process ("terminate called
-    # without an active exception", 16 of 115 finished runs). Imported first, it holds nothing.
+    # torch.distributed.nn, first imported after the group exists (by DDP), holds it, and its gloo threads outlive
+    # destroy_process_group: one aborted the process at exit (16 of 115 runs). Imported first, it holds nothing.
     import torch.distributed.nn  # noqa: F401
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -142,9 +140,8 @@ def autocast_bf16(device: torch.device, amp: bool, model: nn.Module, image_size:
 
 
 def cpu_bf16_faults(model: nn.Module, image_size: int) -> list[str]:
-    """The network's strided convolutions with a 1x1 output at this image size (mobilenet_v3_small's at 16x16, say):
-    on CPUs, oneDNN's bf16 weight gradient of those holds memory it never wrote (docs/cpu-kinds.md), so such a run
-    trains in fp32. Found by one forward pass of a blank batch, in eval mode."""
+    """The strided convolutions with a 1x1 output at this size (mobilenet_v3_small's at 16x16), found by one blank
+    forward pass: oneDNN's bf16 weight gradient of those holds memory it never wrote (docs/cpu-kinds.md)."""
     found: list[str] = []
     strided = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Conv2d) and max(m.stride) > 1]
     hooks = [
