@@ -28,19 +28,27 @@ def newton_schulz(x: torch.Tensor) -> torch.Tensor:
 
 class MuonSGD(torch.optim.Optimizer):
     """Nesterov momentum and SGD's L2 decay for every parameter; 4-D ones' (filters') steps orthogonalised, scaled to
-    the shape, `muon_scale` x the LR. `bf16`: larger banks in bf16, as Muon's authors do (3x fp32's speed on a CPU)."""
+    the shape, `muon_scale` x the LR. `bf16`: larger banks in bf16, as Muon's authors do (3x fp32's speed on a CPU).
+    Graph-safe: its buffers are made here, and a group's LR may be a device tensor that the training loop fills."""
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float, muon_scale: float, bf16: bool) -> None:
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "muon_scale": muon_scale}
         super().__init__(params, defaults)
-        self.dtype, self.made = torch.bfloat16 if bf16 else torch.float32, {}  # made: the filters' batches
-        self.state.update({p: {"momentum_buffer": torch.zeros_like(p)} for g in self.param_groups for p in g["params"]})
+        every = [p for group in self.param_groups for p in group["params"]]
+        self.state.update({p: {"momentum_buffer": torch.zeros_like(p)} for p in every})
+        self.dtype, self.banks = torch.bfloat16 if bf16 else torch.float32, {}  # banks: FilterBanks by filters
+        self.filter_banks([p for p in every if p.ndim == 4])
+
+    def filter_banks(self, filters: list[torch.Tensor]) -> "FilterBanks":
+        if (key := tuple(map(id, filters))) not in self.banks:  # all filters, made above; another set if some froze
+            self.banks[key] = FilterBanks(filters, self.dtype)
+        return self.banks[key]
 
     @torch.no_grad()
     def step(self, closure=None):
         # SGD's Nesterov updates, L2 weight decay included, and then every parameter's step, in a few foreach kernels
         # however many parameters (at width 8 on one CPU core: 1.1 ms a step, against 1.6 ms with five per parameter)
-        params, updates, sizes = [], [], []
+        params, updates, scales, lrs = [], [], [], []
         for group in self.param_groups:
             group_params = [p for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in group_params]
@@ -51,57 +59,78 @@ class MuonSGD(torch.optim.Optimizer):
             torch._foreach_add_(buffers, grads)
             params += group_params
             updates += torch._foreach_add(grads, buffers, alpha=group["momentum"])
-            lr, filter_lr = group["lr"], group["lr"] * group["muon_scale"]  # filters: as a square's steps, if tall
-            sizes += [-filter_lr * max(1, len(p) / p[0].numel()) ** 0.5 if p.ndim == 4 else -lr for p in group_params]
+            filter_scale = group["muon_scale"]  # filters: as a square's steps, if tall
+            scales += [
+                -filter_scale * max(1, len(p) / p[0].numel()) ** 0.5 if p.ndim == 4 else -1.0 for p in group_params
+            ]
+            lrs.append((group["lr"], len(group_params)))
         filters = [i for i, p in enumerate(params) if p.ndim == 4]
-        orthogonalised = iter(orthogonalise_shared([updates[i] for i in filters], self.dtype, self.made))
+        banks = self.filter_banks([params[i] for i in filters])
+        orthogonalised = iter(banks.orthogonalise([updates[i] for i in filters]))
         updates = [next(orthogonalised) if p.ndim == 4 else u for u, p in zip(updates, params, strict=True)]
-        torch._foreach_mul_(updates, sizes)
+        torch._foreach_mul_(updates, scales)  # all dense, in the parameters' layout: one multi-tensor kernel on CUDA
+        start = 0
+        for lr, count in lrs:  # a number, or a device tensor
+            torch._foreach_mul_(updates[start : start + count], lr)
+            start += count
         torch._foreach_add_(params, updates)
 
 
-def orthogonalise_shared(updates: list[torch.Tensor], dtype: torch.dtype, made: dict) -> list[torch.Tensor]:
-    """Each update orthogonalised as a matrix (rows x the rest), several at once, zero-padded in 3-D tensors made once
-    (in `made`): zero rows and columns stay zero in Newton-Schulz and change neither the norm nor the Gram products.
-    A GPU's step is bound by launches (20 a batch), a CPU's by products: banks of one short side share a batch, and a
-    smaller bank joins if it adds at most 1% (width 64: 12 banks in 3 batches; 18% more multiply-adds, 1% of a CPU
-    step). In a process group each rank does its share (dealt by cost, dearest first) into one flat tensor, zero
-    elsewhere, and one all-reduce sums the shares (the updates, DDP's averages, are alike on every rank)."""
-    grouped = dist.is_available() and dist.is_initialized()
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
-    wide = [tuple(sorted((len(u), u[0].numel()))) for u in updates]  # each as a matrix, its short side first
-    cost = [2 * rows * rows * columns + rows**3 for rows, columns in wide]  # multiply-adds of an iteration
-    mine = sorted(range(len(wide)), key=lambda i: -cost[i])[rank::world_size]
-    spare, batches = sum(cost[i] for i in mine) / 100, []  # 1% of this rank's products
-    for i in sorted(mine, key=lambda i: wide[i], reverse=True):  # by short side, then long side
-        rows, columns = wide[batches[-1][0]] if batches else (0, 0)
-        extra = 0 if wide[i][0] == rows else 2 * rows * rows * columns + rows**3 - cost[i]
-        if batches and wide[i][1] <= columns and extra <= spare:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
+class FilterBanks:
+    """Filter updates orthogonalised as matrices (rows x the rest), several at once, zero-padded in 3-D tensors made
+    here: zero rows and columns stay zero in Newton-Schulz and change neither the norm nor the Gram products. A GPU's
+    step is bound by launches (20 a batch), a CPU's by products: banks of one short side share a batch, and a smaller
+    bank joins if it adds at most 1% (width 64: 12 banks in 3 batches; 18% more multiply-adds, 1% of a CPU step). In a
+    process group each rank does its share (dealt by cost, dearest first) into one flat tensor, zero elsewhere, and
+    one all-reduce sums the shares (the updates, DDP's averages, are alike on every rank). The results are that flat
+    tensor's pieces, each dense in its filter's layout."""
 
-    def as_update(padded: torch.Tensor, i: int) -> torch.Tensor:  # bank i's corner of a padded matrix, as update i
-        matrix = padded[: wide[i][0], : wide[i][1]]
-        return (matrix if wide[i][0] == len(updates[i]) else matrix.T).view(updates[i].shape)
+    def __init__(self, filters: list[torch.Tensor], dtype: torch.dtype) -> None:
+        grouped = dist.is_available() and dist.is_initialized()
+        rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+        self.shapes = [f.shape for f in filters]
+        self.wide = wide = [
+            tuple(sorted((len(f), f[0].numel()))) for f in filters
+        ]  # each as a matrix, short side first
+        cost = [2 * rows * rows * columns + rows**3 for rows, columns in wide]  # multiply-adds of an iteration
+        mine = sorted(range(len(wide)), key=lambda i: -cost[i])[rank :: self.world_size]
+        spare, self.batches = sum(cost[i] for i in mine) / 100, []  # 1% of this rank's products
+        for i in sorted(mine, key=lambda i: wide[i], reverse=True):  # by short side, then long side
+            rows, columns = wide[self.batches[-1][0]] if self.batches else (0, 0)
+            extra = 0 if wide[i][0] == rows else 2 * rows * rows * columns + rows**3 - cost[i]
+            if self.batches and wide[i][1] <= columns and extra <= spare:
+                self.batches[-1].append(i)
+            else:
+                self.batches.append([i])
+        device = filters[0].device if filters else None
+        kinds = [dtype if wide[banks[0]][0] >= BF16_FROM else torch.float32 for banks in self.batches]
+        self.padded = [
+            torch.zeros(len(b), *wide[b[0]], dtype=k, device=device) for b, k in zip(self.batches, kinds, strict=True)
+        ]
+        sizes = [f.numel() for f in filters]
+        self.flat = torch.zeros(sum(sizes), device=device)
+        self.results = [
+            piece.as_strided(f.shape, f.stride()) for piece, f in zip(self.flat.split(sizes), filters, strict=True)
+        ]
 
-    results = {}  # each of this rank's banks: its result
-    for banks in batches:  # made at the first step: the padding stays zero
-        if (key := tuple(wide[i] for i in banks)) not in made:
-            kind = dtype if key[0][0] >= BF16_FROM else torch.float32
-            made[key] = torch.zeros(len(key), *key[0], dtype=kind, device=updates[0].device)
-        torch._foreach_copy_([as_update(made[key][j], i) for j, i in enumerate(banks)], [updates[i] for i in banks])
-        out = newton_schulz(made[key]).float()
-        results |= {i: as_update(out[j], i) for j, i in enumerate(banks)}
-    if world_size > 1:
-        sizes = [u.numel() for u in updates]
-        if (key := ("flat", sum(sizes))) not in made:
-            made[key] = torch.zeros(sum(sizes), device=updates[0].device)
-        pieces = [as_update(piece.view(wide[i]), i) for i, piece in enumerate(made[key].zero_().split(sizes))]
-        torch._foreach_copy_([pieces[i] for i in results], list(results.values())) if results else None
-        dist.all_reduce(made[key])
-        return pieces
-    return [results[i] for i in range(len(updates))]
+    def as_update(self, padded: torch.Tensor, i: int) -> torch.Tensor:
+        """Bank i's corner of a padded matrix, as a view of update i's shape."""
+        matrix = padded[: self.wide[i][0], : self.wide[i][1]]
+        return (matrix if self.wide[i][0] == self.shapes[i][0] else matrix.T).view(self.shapes[i])
+
+    def orthogonalise(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.flat.zero_() if self.world_size > 1 else None  # other ranks' shares: zero here
+        outputs, results = [], []
+        for banks, padded in zip(self.batches, self.padded, strict=True):
+            torch._foreach_copy_(
+                [self.as_update(padded[j], i) for j, i in enumerate(banks)], [updates[i] for i in banks]
+            )
+            out = newton_schulz(padded)
+            outputs += [self.as_update(out[j], i) for j, i in enumerate(banks)]
+            results += [self.results[i] for i in banks]
+        torch._foreach_copy_(results, outputs) if results else None  # into the filters' layout, as fp32
+        dist.all_reduce(self.flat) if self.world_size > 1 else None
+        return self.results
 
 
 def make_optimizer(cfg: Any, model: nn.Module, lr: float, device: torch.device, bf16: bool) -> torch.optim.Optimizer:

@@ -109,9 +109,12 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
     model = make_model(cfg, len(record["classes"]))
     model = model.to(info.device, memory_format=torch.channels_last)  # what tensor cores want; faster on CPUs too
     device_ids = [info.device.index] if info.device.type == "cuda" else None  # on GPUs, this rank's own
-    ddp_model: nn.Module = DistributedDataParallel(  # DDP: wrap the model; gradients are all-reduced in buckets
+    # DDP: wrap the model; gradients are all-reduced in buckets. A lone rank has nothing to average: there DDP would
+    # only copy every gradient into its buckets, each step
+    ddp_model = DistributedDataParallel(
         model, device_ids, gradient_as_bucket_view=True, **distribute_tools.NO_BUFFER_SYNC
     )
+    ddp_model = ddp_model if info.world_size > 1 else model
     if cfg.COMPILE:
         ddp_model = torch.compile(ddp_model)  # after wrapping, so that DDP's bucketed all-reduce keeps overlapping
     bf16, precision = distribute_tools.autocast_bf16(info.device, cfg.AMP, model, cfg.IMAGE_SIZE)  # and its words
@@ -221,16 +224,19 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: C
         group["lr"] = lr
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches = list(zip(x.chunk(run.cfg.ACCUMULATE), y.chunk(run.cfg.ACCUMULATE), strict=True))
-    for i, (x_part, y_part) in enumerate(micro_batches):
-        # DDP: gradients are averaged over the ranks during the last micro-batch's backward, bucket by bucket
-        with run.ddp_model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
-            with torch.autocast(run.info.device.type, dtype=torch.bfloat16, enabled=run.bf16):
+    device = run.info.device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=run.bf16):  # one: weights cast to bf16 once a step
+        for i, (x_part, y_part) in enumerate(micro_batches):
+            # DDP: gradients are averaged over the ranks during the last micro-batch's backward, bucket by bucket
+            waits = i < len(micro_batches) - 1 and isinstance(run.ddp_model, DistributedDataParallel)
+            with run.ddp_model.no_sync() if waits else nullcontext():
                 logits = run.ddp_model(x_part)
                 loss = loss_fn(logits, y_part)
-            (loss * (len(y_part) / len(y))).backward()  # the gradients add up to those of the whole share's mean
-        sums[0].add_(loss.detach(), alpha=len(y_part))  # in place: a launch each (+= on an element is two)
-        sums[1].add_((logits.argmax(dim=1) == y_part).sum())
-        sums[2].add_(len(y_part))
+                with torch.autocast(device, enabled=False):  # backward outside autocast, as torch advises
+                    (loss * (len(y_part) / len(y))).backward()  # gradients add up to those of the share's mean
+            sums[0].add_(loss.detach(), alpha=len(y_part))  # in place: a launch each (+= on an element is two)
+            sums[1].add_((logits.argmax(dim=1) == y_part).sum())
+            sums[2].add_(len(y_part))
     run.optimizer.step()  # DDP: Muon's step broadcasts each rank's share of the filters' updates
 
 

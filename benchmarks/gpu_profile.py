@@ -1,28 +1,27 @@
-"""Where a training step's time goes on the GPU, for this project and for the seed at its best, side by side: torch's
-profiler over a few training steps of each (one rank, DDP in the path), the kernel time per step by group, the wall
-clock per step, and the share of it in which no kernel runs (the GPU idle, waiting for launches or data).
+"""Where a training step's time goes on the GPU, for this project and for the seed at its best, side by side: the
+wall clock per step without the profiler, then torch's profiler over as many steps again: the kernel time per step,
+the share of the wall clock in which no kernel runs, and the 25 slowest kernels by name with their share of the
+kernel time. Both run as one rank (the seed with DDP in its path) after 12 untimed steps (cuDNN's choice of kernels,
+the compiler, the allocator, the loader's workers, and DDP's logger, which synchronises on iterations 1 to 10).
 
     python -m benchmarks.gpu_profile --width=64 --batch_size=512 --steps=20            # one GPU
     python -m benchmarks.gpu_profile --width=64 --batch_size=512 --steps=20 --compile  # the project compiled
-    python -m benchmarks.gpu_profile --width=8 --batch_size=64 --steps=3               # no GPU: the CPU fallback
+    python -m benchmarks.gpu_profile --width=4 --batch_size=32 --steps=2 --warmup=1    # no GPU: a check on the CPU
 
 project:          train_distribute's own build_run and train_step on generated images held on the device (the memory
                   loader's batches: crops, flips and normalisation on the device), as a user runs it (bf16 autocast,
                   channels_last, Muon).
 seed at its best: benchmarks/throughput.py's (a'): PIL images through DataLoader workers, pinned memory, non-blocking
                   copies, fp32 (cuDNN's default TF32 convolutions), Adam (foreach), DDP.
-Each kernel counts in the group of the operator that launched it: collectives (NCCL's kernels: DDP's all-reduce, an
-optimizer's), then within the optimizer's step the Newton-Schulz products (mm, bmm, baddbmm) apart from the rest of
-the optimizer, then copies (memcpy and memset, aten::copy_ and what calls it: host-to-device batches, autocast's
-casts of the weights, layout changes), convolutions, BatchNorm, and element-wise for everything else (ReLU, adds, the
-loss, the crop's gather, the head's small product). Without a GPU the same steps run on the CPU and the table holds
-CPU time by the same groups: a check of this script, not a GPU figure. --out FILE also writes the table (markdown).
+Without a GPU the same steps run on the CPU and the table lists operators by their own CPU time: a check of this
+script, not a GPU figure. --out FILE also writes the tables (markdown).
 """
 
 import argparse
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import torch
@@ -37,9 +36,7 @@ from data import make_synthetic
 from resnet import ResNet
 from safeguards import settings
 
-GROUPS = ("convolutions", "BatchNorm", "element-wise", "Newton-Schulz products", "optimizer", "copies", "collectives")
-PRODUCTS = ("aten::mm", "aten::bmm", "aten::baddbmm", "aten::addmm", "aten::matmul")
-WARMUP = 5  # untimed steps first: cuDNN's choice of kernels, the compiler, the allocator, the loader's workers
+SLOWEST = 25  # kernels listed per side
 
 
 def free_port() -> int:
@@ -53,82 +50,44 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def group_of(op: str, kernel: str, in_optimizer: bool) -> str:
-    """The group of a kernel, from the operator that launched it and the kernel's own name."""
-    op, kernel = op.lower(), kernel.lower()
-    if "nccl" in kernel or "nccl" in op or op.startswith(("c10d::", "gloo:")):
-        return "collectives"
-    if in_optimizer:
-        return "Newton-Schulz products" if op in PRODUCTS else "optimizer"
-    if "memcpy" in kernel or "memset" in kernel or op in ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone"):
-        return "copies"
-    if "conv" in op or "conv" in kernel or any(part in kernel for part in ("fprop", "dgrad", "wgrad")):
-        return "convolutions"
-    if "batch_norm" in op or "batch_norm" in kernel or "batchnorm" in kernel or "bn_" in kernel:
-        return "BatchNorm"
-    return "element-wise"
+def timed(steps: Iterator[Callable[[], None]], count: int, device: torch.device) -> float:
+    """Seconds of `count` steps, from an empty queue to an empty queue."""
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(count):
+        next(steps)()
+    synchronize(device)
+    return time.perf_counter() - started
 
 
-def in_optimizer_step(event) -> bool:
-    while event is not None:
-        if event.name.startswith("Optimizer.step#"):
-            return True
-        event = event.cpu_parent
-    return False
-
-
-def grouped_seconds(profiler: profile, gpu: bool) -> dict[str, float]:
-    """Seconds by group: of the kernels each operator launched (GPU), or of each operator's own CPU time (CPU)."""
-    seconds = dict.fromkeys(GROUPS, 0.0)
-    for event in profiler.events():
-        if event.device_type != torch.autograd.DeviceType.CPU or getattr(event, "is_async", False):
-            continue
-        optimizer = in_optimizer_step(event)
-        if gpu:
-            for kernel in event.kernels:
-                seconds[group_of(event.name, kernel.name, optimizer)] += kernel.duration / 1e6
-        elif "::" in event.name:  # operators (aten::, c10d::), not the ranges that hold them (DDP's forward, say)
-            seconds[group_of(event.name, "", optimizer)] += event.self_cpu_time_total / 1e6
-    return seconds
-
-
-def busy_seconds(profiler: profile) -> float:
+def busy_seconds(kernels: list) -> float:
     """Seconds in which at least one GPU kernel (or copy) runs: the union of their intervals."""
-    intervals = sorted(
-        (event.time_range.start, event.time_range.end)
-        for event in profiler.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA
-    )
     busy, end = 0.0, float("-inf")
-    for start, stop in intervals:
-        if start > end:
-            busy += stop - start
-            end = stop
-        elif stop > end:
-            busy += stop - end
-            end = stop
+    for start, stop in sorted((k.time_range.start, k.time_range.end) for k in kernels):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
     return busy / 1e6  # microseconds
 
 
-def profiled(steps: Iterator[Callable[[], None]], count: int, device: torch.device) -> dict[str, float]:
-    """Milliseconds per step by group, the wall clock and kernel time per step, the idle share: `count` steps after
-    WARMUP untimed ones."""
-    for _ in range(WARMUP):
+def profiled(steps: Iterator[Callable[[], None]], args: argparse.Namespace, device: torch.device) -> dict:
+    """The wall clock per step without the profiler, then the profiled steps' kernels (on a CPU: operators)."""
+    for _ in range(args.warmup):
         next(steps)()
-    synchronize(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as profiler:
-        started = time.perf_counter()
-        for _ in range(count):
-            next(steps)()
-        synchronize(device)
-        wall = time.perf_counter() - started
-    row = {group: 1e3 * s / count for group, s in grouped_seconds(profiler, device.type == "cuda").items()}
-    row["kernel time" if device.type == "cuda" else "operator time"] = sum(row.values())
-    row["wall clock"] = 1e3 * wall / count
-    if device.type == "cuda":
-        row["idle share %"] = 100 * max(0.0, 1 - busy_seconds(profiler) / wall)
-    return row
+    wall = timed(steps, args.steps, device) / args.steps
+    gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as profiler:
+        profiled_wall = timed(steps, args.steps, device) / args.steps
+    if gpu:
+        kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        times = [(e.name, e.time_range.end - e.time_range.start) for e in kernels]
+        idle = 100 * max(0.0, 1 - busy_seconds(kernels) / args.steps / profiled_wall)
+    else:  # operators (aten::, c10d::), not the ranges that hold them
+        times = [(e.name, e.self_cpu_time_total) for e in profiler.events() if "::" in e.name]
+        idle = float("nan")
+    by_name = Counter()
+    for name, microseconds in times:
+        by_name[name] += microseconds / 1e3 / args.steps
+    return {"wall": 1e3 * wall, "kernel": sum(by_name.values()), "idle": idle, "slowest": by_name.most_common(SLOWEST)}
 
 
 def project_steps(cfg, info) -> Iterator[Callable[[], None]]:
@@ -145,7 +104,7 @@ def seed_steps(args: argparse.Namespace, info) -> Iterator[Callable[[], None]]:
     """The seed at its best (benchmarks/throughput.py's (a')): each step takes its batch from the loader first."""
     from benchmarks.throughput import PilImages, cores
 
-    images, labels = make_synthetic((args.steps + WARMUP) * args.batch_size, seed=0, split=0)
+    images, labels = make_synthetic((2 * args.steps + args.warmup) * args.batch_size, seed=0, split=0)
     gpu = info.device.type == "cuda"
     loader = DataLoader(
         PilImages(images, labels),
@@ -155,7 +114,9 @@ def seed_steps(args: argparse.Namespace, info) -> Iterator[Callable[[], None]]:
         pin_memory=gpu,
         persistent_workers=True,
     )
-    model = DistributedDataParallel(ResNet(args.width).to(info.device), device_ids=[info.device.index] if gpu else None)
+    model = DistributedDataParallel(
+        ResNet(args.width, seed=True).to(info.device), device_ids=[info.device.index] if gpu else None
+    )
     loss_fn, optimizer = nn.CrossEntropyLoss(), torch.optim.Adam(model.parameters(), lr=1e-3)
     batches = iter(loader)
 
@@ -176,11 +137,23 @@ def seed_steps(args: argparse.Namespace, info) -> Iterator[Callable[[], None]]:
         yield step
 
 
-def table(rows: dict[str, dict[str, float]], unit: str) -> str:
-    names = list(rows)
-    lines = [f"| {unit} | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-    for key in rows[names[0]]:
-        lines.append(f"| {key} | " + " | ".join(f"{rows[name].get(key, float('nan')):.2f}" for name in names) + " |")
+def tables(rows: dict[str, dict], gpu: bool) -> str:
+    """The figures per step side by side, then each side's slowest kernels."""
+    names, what = list(rows), "kernel" if gpu else "operator (CPU)"
+    lines = ["| per step | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    lines.append("| wall clock, ms (no profiler) | " + " | ".join(f"{rows[n]['wall']:.2f}" for n in names) + " |")
+    lines.append(f"| {what} time, ms (profiled) | " + " | ".join(f"{rows[n]['kernel']:.2f}" for n in names) + " |")
+    lines.append("| idle share of the wall clock, % | " + " | ".join(f"{rows[n]['idle']:.1f}" for n in names) + " |")
+    for name in names:
+        lines += [
+            "",
+            f"{SLOWEST} slowest {what}s of {name}:",
+            "",
+            f"| {what} | ms per step | share |",
+            "|---|---:|---:|",
+        ]
+        total = rows[name]["kernel"] or 1.0
+        lines += [f"| `{k[:100]}` | {ms:.3f} | {100 * ms / total:.1f}% |" for k, ms in rows[name]["slowest"]]
     return "\n".join(lines)
 
 
@@ -188,7 +161,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batch_size", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=20, help="profiled steps of each, after 5 untimed ones")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps of each, then as many profiled")
+    parser.add_argument("--warmup", type=int, default=12, help="untimed steps first")
     parser.add_argument("--compile", action="store_true", help="the project compiled (COMPILE=True)")
     parser.add_argument("--skip_seed", action="store_true", help="the project alone")
     parser.add_argument("--out", default="", help="also write the table to this file")
@@ -197,7 +171,7 @@ def main() -> None:
         td,
         [
             "--dataset=synthetic",
-            f"--synthetic_size={(args.steps + WARMUP) * args.batch_size}",
+            f"--synthetic_size={(2 * args.steps + args.warmup) * args.batch_size}",
             f"--width={args.width}",
             f"--batch_size={args.batch_size}",
             f"--compile={args.compile}",
@@ -208,16 +182,14 @@ def main() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     info = distribute_tools.setup()
-    rows = {
-        f"project{' (compiled)' if args.compile else ''}": profiled(project_steps(cfg, info), args.steps, info.device)
-    }
+    rows = {f"project{' (compiled)' if args.compile else ''}": profiled(project_steps(cfg, info), args, info.device)}
     torch.backends.cudnn.benchmark = False  # the seed's own setting (the project set it for itself)
     if not args.skip_seed:
-        rows["seed at its best"] = profiled(seed_steps(args, info), args.steps, info.device)
+        rows["seed at its best"] = profiled(seed_steps(args, info), args, info.device)
     gpu = info.device.type == "cuda"
-    name = torch.cuda.get_device_name(info.device) if gpu else "no GPU here: CPU time by group, not a GPU figure"
-    heading = f"{args.steps} steps of width {args.width}, batch {args.batch_size}, one rank, torch {torch.__version__}"
-    text = f"{heading} ({name})\n\n{table(rows, 'ms per step' if gpu else 'CPU ms per step')}\n"
+    name = torch.cuda.get_device_name(info.device) if gpu else "no GPU here: operators' CPU time, not a GPU figure"
+    heading = f"{args.steps} steps (after {args.warmup}) of width {args.width}, batch {args.batch_size}, one rank"
+    text = f"{heading}, torch {torch.__version__} ({name})\n\n{tables(rows, gpu)}\n"
     print(text, flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -113,6 +113,7 @@ def project_settings(args: argparse.Namespace) -> list[str]:
         "--compile=False",
         "--amp=True",
         "--epochs=2",
+        f"--accumulate={args.accumulate}",
     ]
 
 
@@ -129,7 +130,7 @@ def seed_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
 
 def seed_counts(args: argparse.Namespace, info: DistInfo) -> OpCounter:
     torch.manual_seed(0)
-    model = ResNet(args.width).to(info.device)
+    model = ResNet(args.width, seed=True).to(info.device)
     device_ids = [info.device.index] if info.device.type == "cuda" else None
     model = DistributedDataParallel(model, device_ids)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
@@ -169,6 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batch_size", type=int, default=64, help="global batch (one rank)")
     parser.add_argument("--steps", type=int, default=4, help="steps of the counted epoch")
+    parser.add_argument("--accumulate", type=int, default=1, help="the project's ACCUMULATE (micro-batches a step)")
     parser.add_argument("--ops", action="store_true", help="also list each phase's operations")
     return parser.parse_args(argv)
 

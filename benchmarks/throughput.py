@@ -162,7 +162,7 @@ def seed_pipeline(args: argparse.Namespace, best: bool, result_path: str, bf16: 
         persistent_workers=workers > 0,
     )
     layout = torch.channels_last if bf16 else torch.contiguous_format
-    model = ResNet(args.width).to(info.device, memory_format=layout)
+    model = ResNet(args.width, seed=True).to(info.device, memory_format=layout)
     model = DistributedDataParallel(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
     loss_fn, optimizer = nn.CrossEntropyLoss(), torch.optim.Adam(model.parameters(), lr=1e-3)
     started = time.perf_counter()
@@ -301,11 +301,14 @@ def cpu_kind() -> str:
     return f"CPU with {'+'.join(native)}" if native else "CPU without native bf16 (AVX2 or older)"
 
 
-def gpu_name() -> str:
-    """The GPU's name from nvidia-smi: torch's would initialise CUDA here, which the seed's ranks, forked from this
-    process, then could not use ("Cannot re-initialize CUDA in forked subprocess")."""
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
-    return smi.stdout.splitlines()[0] if smi.stdout.strip() else "a GPU"
+def gpu_facts() -> tuple[str, bool]:
+    """The GPU's name and whether it computes bf16 fast (Ampere on), from nvidia-smi: torch's answers would initialise
+    CUDA here, which the seed's ranks, forked from this process, then could not use ("Cannot re-initialize CUDA in
+    forked subprocess"). tests/test_benchmarks.py checks that nothing here initialises CUDA before the fork."""
+    query = ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"]
+    line = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()[:1]
+    name, capability = line[0].rsplit(",", 1) if line else ("a GPU", "0")
+    return name.strip(), float(capability) >= 8.0
 
 
 def main() -> None:
@@ -316,7 +319,7 @@ def main() -> None:
     except UserError as e:
         sys.exit(f"error: {e}")
     device, backend = choose_device(0, 1, gpu_count())
-    name = gpu_name() if device.type == "cuda" else f"{cpu_kind()}, {cores()} cores"
+    name, bf16_fast = gpu_facts() if device.type == "cuda" else (f"{cpu_kind()}, {cores()} cores", bf16_is_fast(device))
     compiled = args.compiled == "yes" or (args.compiled == "auto" and device.type == "cuda")
     print(
         f"machine: {name} | torch {torch.__version__} | {world_size} rank(s), {backend} | width {args.width}, "
@@ -331,7 +334,7 @@ def main() -> None:
         )
     speeds: dict[str, float] = {}
     seeds = [("a", "(a)   seed pipeline", False, False), ("a'", "(a')  seed at its best", True, False)]
-    if bf16_is_fast(device):  # elsewhere the project trains in fp32 too, and emulated bf16 is no baseline
+    if bf16_fast:  # elsewhere the project trains in fp32 too, and emulated bf16 is no baseline
         seeds += [("a''", "(a'') seed at its best, bf16 + channels_last", True, True)]
     for key, label, best, bf16 in [] if args.skip_seed else seeds:  # before any computation here: forked from here
         speeds[key], memory = run_seed_pipeline(args, world_size, best, bf16)

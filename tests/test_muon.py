@@ -8,6 +8,7 @@ import torch
 
 import distribute_tools
 import muon
+from resnet import ResNet
 from tests.conftest import call
 
 
@@ -39,10 +40,11 @@ def test_filter_banks_orthogonalised_together_equal_each_one_alone(dtype):
     (a batch of short side 128 or more, which small banks may join)."""
     g = torch.Generator().manual_seed(3)
     shapes = [(128, 16, 3, 3), (128, 32, 3, 3), (256, 128, 1, 1), (64, 8, 3, 3), (16, 3, 3, 3), (32, 16, 1, 1)]
-    made = {}
+    filters = [torch.empty(shape).contiguous(memory_format=torch.channels_last) for shape in shapes]
+    banks = muon.FilterBanks(filters, dtype)
     for _ in range(2):  # the second step reuses the padded batches of the first
         updates = [torch.randn(shape, generator=g).contiguous(memory_format=torch.channels_last) for shape in shapes]
-        together = muon.orthogonalise_shared(updates, dtype, made)
+        together = banks.orthogonalise(updates)
         for update, result in zip(updates, together, strict=True):
             matrix = update.flatten(1)
             reference = alone(matrix, dtype if min(matrix.shape) >= muon.BF16_FROM else torch.float32)
@@ -51,7 +53,35 @@ def test_filter_banks_orthogonalised_together_equal_each_one_alone(dtype):
                 update.shape,
                 error,
             )
-    assert len(made) < len(shapes)  # fewer batches than banks
+    assert len(banks.padded) < len(shapes)  # fewer batches than banks
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Its strides tile its elements without a gap or an overlap (ATen's is_non_overlapping_and_dense)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda pair: pair[1]):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def test_the_final_step_takes_cudas_multi_tensor_path(monkeypatch):
+    """CUDA's foreach kernels run as one launch only when every tensor is dense and non-overlapping, the lists share
+    one dtype and device, and each update has its parameter's size and strides: else one kernel per tensor. Checked
+    on the CPU for the last add of a step of the ResNet in channels_last, as a run trains it."""
+    seen, original = [], torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_add_", lambda *a, **k: seen.append(a) or original(*a, **k))
+    model = ResNet(4).to(memory_format=torch.channels_last)
+    model(torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)).sum().backward()
+    optimizer = muon.MuonSGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, muon_scale=0.2, bf16=True)
+    optimizer.step()
+    params, updates = seen[-1][:2]
+    assert [id(p) for p in params] == [id(p) for p in model.parameters()]
+    tensors = [*params, *updates]
+    assert len({(t.dtype, t.device) for t in tensors}) == 1
+    assert all(dense(t) for t in tensors)
+    assert [(u.shape, u.stride()) for u in updates] == [(p.shape, p.stride()) for p in params]
 
 
 def test_filters_step_orthogonalised_and_the_rest_as_nesterov_sgd():

@@ -497,7 +497,7 @@ def test_a_resume_with_another_network_is_refused_in_one_line_saying_what_differ
         and result.stdout == ""
         and line.startswith(f"error: the checkpoint in {folder} is of another network (")
     ), line
-    assert "of make_model's 86 tensors not in it by name and shape (first stem.0.weight [4, 3, 3, 3]), " in line
+    assert "of make_model's 62 tensors not in it by name and shape (first stem.0.weight [4, 3, 3, 3]), " in line
     assert " unknown (first " in line and line.endswith(
         "); resume with the network that wrote it, or start a new run in another --output_dir"
     )
@@ -507,7 +507,7 @@ def test_a_resume_with_another_network_is_refused_in_one_line_saying_what_differ
 @pytest.mark.parametrize("wider", [False, True])
 def test_fine_tuning_from_a_checkpoint_that_fits_less_than_half_the_parameters_is_refused_in_one_line(tmp_path, wider):
     """A checkpoint with no name of the network's; or the same network at width 16 for 8, of the same classes: every
-    name, and in the same shape only the head's bias (10 of 151,274 parameters). Nothing is said first."""
+    name, and in the same shape only the head's bias (10 of 150,802 parameters). Nothing is said first."""
     if wider and not width(16):
         pytest.skip("the network has no WIDTH setting to double")
     other = tmp_path / "other.pt"
@@ -515,7 +515,7 @@ def test_fine_tuning_from_a_checkpoint_that_fits_less_than_half_the_parameters_i
     torch.save({"model": weights.state_dict()}, other)
     result = run_script(*TINY, f"--init_from={other}", f"--output_dir={tmp_path / 'out'}")
     name, first = next(iter(train_distribute.make_model(read_config(TINY), 10).named_parameters()))
-    fits = "10 of the network's 151,274" if wider else "0 of the network's "
+    fits = "10 of the network's 150,802" if wider else "0 of the network's "
     mismatch = (
         "stem.0.weight: [16, 3, 3, 3] in it, [8, 3, 3, 3]" if wider else f"{name}: not in it, {list(first.shape)}"
     )

@@ -1,0 +1,63 @@
+"""The GPU check (benchmarks/gpu_check.sh and what it runs), proven on the CPU before a GPU is at hand: a GPU faked as
+far as CUDA's first initialisation, and a dry run of every step at small sizes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import distribute_tools
+from benchmarks import throughput
+from tests.conftest import HANG_TIMEOUT, ROOT, SETTINGS, clean_env, image_folder_of_noise
+
+
+class RanksStarted(Exception):
+    pass
+
+
+def test_throughput_initialises_no_cuda_before_it_forks_the_seeds_ranks(tmp_path, monkeypatch):
+    """On a GPU the seed's ranks are forked from throughput.py's process: CUDA initialised there first would fail each
+    of them ("Cannot re-initialize CUDA in forked subprocess"). A GPU is faked here as far as that initialisation."""
+    events = []
+    smi = tmp_path / "nvidia-smi"  # what nvidia-smi prints on an H200
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 9.0'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def lazy_init():
+        events.append("CUDA initialised")
+        raise AssertionError("CUDA initialised before the seed's ranks were forked")
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lazy_init)
+
+    def run_distribute(*args):
+        events.append("ranks started")
+        raise RanksStarted
+
+    monkeypatch.setattr(distribute_tools, "run_distribute", run_distribute)
+    monkeypatch.setattr(sys, "argv", ["throughput", "--world_size=1", "--width=4", "--batch_size=8", "--steps=1"])
+    with pytest.raises(RanksStarted):
+        throughput.main()
+    assert events == ["ranks started"]
+
+
+@pytest.mark.skipif("WIDTH" not in SETTINGS, reason="the check runs the template ResNet at its own sizes")
+def test_the_gpu_check_runs_every_step_on_the_cpu_and_writes_each_steps_results(tmp_path):
+    folder, results = tmp_path / "images", tmp_path / "results"
+    image_folder_of_noise(folder, train=64, test=32, size=32)
+    command = ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(folder), str(results)]
+    done = subprocess.run(command, env=clean_env(DRY_RUN="1"), capture_output=True, text=True, timeout=HANG_TIMEOUT)
+    summary = (results / "summary.txt").read_text()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for seed in (0, 1):
+        assert f"accuracy, 1 epochs, seed {seed}: real " in summary and "1 epochs, final acc " in summary, summary
+    assert "throughput: exit 0" in summary and "kernels: exit 0" in summary, summary
+    assert {"a", "a'", "b", "c"} <= set(json.loads((results / "throughput.json").read_text())), summary
+    kernels = (results / "kernels.md").read_text()
+    assert "| wall clock, ms (no profiler) |" in kernels and kernels.count("slowest operator (CPU)s of ") == 2
+    assert (results / "runs.tar.gz").stat().st_size > 0 and "done in " in summary
