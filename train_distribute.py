@@ -81,13 +81,25 @@ class Run:
     cfg: SimpleNamespace
     info: DistInfo
     model: nn.Module  # the plain network: evaluation and checkpoints use it
-    ddp_model: nn.Module  # the same network wrapped in DDP (and compiled with COMPILE): training steps use it
+    ddp_model: nn.Module  # the network and its loss (WithLoss), in DDP on several ranks, compiled with COMPILE
     optimizer: torch.optim.Optimizer
     train_data: data.Loader
     test_data: data.Loader
     data: dict[str, Any]  # what the checkpoint records of the data: identity, classes, normalisation
     bf16: bool  # autocast in bf16
     precision: str  # what the first line says of it
+
+
+class WithLoss(nn.Module):
+    """The network and the loss of its logits: the module that a training step calls, DDP wraps and COMPILE compiles."""
+
+    def __init__(self, network: nn.Module, loss_fn: nn.Module) -> None:
+        super().__init__()
+        self.network, self.loss_fn = network, loss_fn
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.network(x)
+        return logits, self.loss_fn(logits, y)
 
 
 def main_worker(cfg: SimpleNamespace) -> None:
@@ -109,14 +121,12 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
     model = make_model(cfg, len(record["classes"]))
     model = model.to(info.device, memory_format=torch.channels_last)  # what tensor cores want; faster on CPUs too
     device_ids = [info.device.index] if info.device.type == "cuda" else None  # on GPUs, this rank's own
-    # DDP: wrap the model; gradients are all-reduced in buckets. A lone rank has nothing to average: there DDP would
-    # only copy every gradient into its buckets, each step
-    ddp_model = DistributedDataParallel(
-        model, device_ids, gradient_as_bucket_view=True, **distribute_tools.NO_BUFFER_SYNC
-    )
-    ddp_model = ddp_model if info.world_size > 1 else model
-    if cfg.COMPILE:
-        ddp_model = torch.compile(ddp_model)  # after wrapping, so that DDP's bucketed all-reduce keeps overlapping
+    ddp_model: nn.Module = WithLoss(model, nn.CrossEntropyLoss(label_smoothing=cfg.LABEL_SMOOTHING))
+    if info.world_size > 1:  # DDP: wrap the model; gradients are all-reduced in buckets (alone, DDP only copies them)
+        options = {"gradient_as_bucket_view": True, **distribute_tools.NO_BUFFER_SYNC}
+        ddp_model = DistributedDataParallel(ddp_model, device_ids, **options)
+    if cfg.COMPILE:  # the network and its loss in one graph; DDP's bucketed all-reduce still overlaps the backward
+        ddp_model = torch.compile(ddp_model)
     bf16, precision = distribute_tools.autocast_bf16(info.device, cfg.AMP, model, cfg.IMAGE_SIZE)  # and its words
     optimizer = muon.make_optimizer(cfg, model, peak_lr(cfg), info.device, bf16)  # muon.py: the optimizers
     return Run(cfg, info, model, ddp_model, optimizer, train_data, test_data, record, bf16, precision)
@@ -195,7 +205,6 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
     of training steps and the last step's learning rate."""
     cfg, info = run.cfg, run.info
     steps = run.train_data.steps_per_epoch(cfg.BATCH_SIZE)
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.LABEL_SMOOTHING)
     sums = torch.zeros(3, device=info.device)  # on the device: no host sync per step
     run.ddp_model.train()
     torch.cuda.synchronize() if info.device.type == "cuda" else None  # the clock starts with nothing queued
@@ -206,7 +215,7 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
     for step, (x, y) in enumerate(batches):
         torch.manual_seed(data.seed_for(cfg.SEED, epoch, info.rank, step))  # the network's dropout: resumes exactly
         lr = lr_at((epoch - 1) * steps + step, cfg.EPOCHS * steps, peak_lr(cfg), cfg.SCHEDULE, cfg.WARMUP)
-        train_step(run, x, y, lr, loss_fn, sums)
+        train_step(run, x, y, lr, sums)
     torch.cuda.synchronize() if info.device.type == "cuda" else None  # and stops when the steps are done
     seconds = time.perf_counter() - started
     dist.all_reduce(sums)  # DDP: the epoch's sums over all ranks, once
@@ -216,22 +225,21 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
     return [loss_sum, correct, images], seconds, lr
 
 
-def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, loss_fn: Callable, sums: torch.Tensor) -> None:
+def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, sums: torch.Tensor) -> None:
     """One optimizer step on this rank's share of the global batch, in ACCUMULATE micro-batches (less memory, the same
     step but for BatchNorm, which sees each micro-batch alone). Adds [loss x images, correct, images] to the device
     tensor `sums` (no host sync)."""
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    for group in run.optimizer.param_groups:  # Muon's LR is a device tensor, filled in place (safe in a CUDA graph)
+        group["lr"].fill_(lr) if torch.is_tensor(group["lr"]) else group.update(lr=lr)
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches = list(zip(x.chunk(run.cfg.ACCUMULATE), y.chunk(run.cfg.ACCUMULATE), strict=True))
     device = run.info.device.type
     with torch.autocast(device, dtype=torch.bfloat16, enabled=run.bf16):  # one: weights cast to bf16 once a step
         for i, (x_part, y_part) in enumerate(micro_batches):
             # DDP: gradients are averaged over the ranks during the last micro-batch's backward, bucket by bucket
-            waits = i < len(micro_batches) - 1 and isinstance(run.ddp_model, DistributedDataParallel)
+            waits = i < len(micro_batches) - 1 and run.info.world_size > 1
             with run.ddp_model.no_sync() if waits else nullcontext():
-                logits = run.ddp_model(x_part)
-                loss = loss_fn(logits, y_part)
+                logits, loss = run.ddp_model(x_part, y_part)
                 with torch.autocast(device, enabled=False):  # backward outside autocast, as torch advises
                     (loss * (len(y_part) / len(y))).backward()  # gradients add up to those of the share's mean
             sums[0].add_(loss.detach(), alpha=len(y_part))  # in place: a launch each (+= on an element is two)

@@ -93,11 +93,10 @@ def profiled(steps: Iterator[Callable[[], None]], args: argparse.Namespace, devi
 def project_steps(cfg, info) -> Iterator[Callable[[], None]]:
     """train_distribute's own steps: its run, its batches, its train_step."""
     run = td.build_run(cfg, info)
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.LABEL_SMOOTHING)
     sums = torch.zeros(3, device=info.device)
     for epoch in range(1, 10**6):
         for x, y in run.train_data.train_batches(cfg.BATCH_SIZE, 1, 0, cfg.SEED, epoch):
-            yield lambda x=x, y=y: td.train_step(run, x, y, 0.1, loss_fn, sums)
+            yield lambda x=x, y=y: td.train_step(run, x, y, 0.1, sums)
 
 
 def seed_steps(args: argparse.Namespace, info) -> Iterator[Callable[[], None]]:

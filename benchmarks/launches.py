@@ -22,6 +22,7 @@ import argparse
 import linecache
 import sys
 from collections import Counter
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -117,14 +118,18 @@ def project_settings(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def seed_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list, device: torch.device) -> None:
-    """The seed's training loop."""
+def seed_epoch(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list, device: torch.device, parts: int
+) -> None:
+    """The seed's training loop; with `parts` micro-batches a step, as a seed user would accumulate gradients."""
     loss_fn = nn.CrossEntropyLoss()
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = loss_fn(model(x), y)
         optimizer.zero_grad()
-        loss.backward()
+        for i, (x_part, y_part) in enumerate(zip(x.chunk(parts), y.chunk(parts), strict=True)):
+            with model.no_sync() if i < parts - 1 else nullcontext():
+                loss = loss_fn(model(x_part), y_part)
+                (loss / parts if parts > 1 else loss).backward()  # the seed itself: no division
         optimizer.step()
 
 
@@ -139,9 +144,9 @@ def seed_counts(args: argparse.Namespace, info: DistInfo) -> OpCounter:
         (torch.randn(args.batch_size, 3, 32, 32, pin_memory=pinned), torch.randint(10, (args.batch_size,)))
         for _ in range(args.steps)
     ]
-    seed_epoch(model, optimizer, batches, info.device)
+    seed_epoch(model, optimizer, batches, info.device, args.accumulate)
     with OpCounter("seed_epoch") as counter:
-        seed_epoch(model, optimizer, batches, info.device)
+        seed_epoch(model, optimizer, batches, info.device, args.accumulate)
     return counter
 
 
@@ -170,7 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batch_size", type=int, default=64, help="global batch (one rank)")
     parser.add_argument("--steps", type=int, default=4, help="steps of the counted epoch")
-    parser.add_argument("--accumulate", type=int, default=1, help="the project's ACCUMULATE (micro-batches a step)")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches a step (ACCUMULATE), both")
     parser.add_argument("--ops", action="store_true", help="also list each phase's operations")
     return parser.parse_args(argv)
 

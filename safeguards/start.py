@@ -120,7 +120,7 @@ def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, ide
         raise UserError(f"{was}; resume with the network that wrote it, or start a new run in another --output_dir")
     model.load_state_dict(checkpoint["model"])
     for group, current in zip(checkpoint["optimizer"]["param_groups"], optimizer.param_groups, strict=True):
-        group.update(fused=current.get("fused"), foreach=current.get("foreach"))  # this machine's kernels
+        group.update(fused=current.get("fused"), foreach=current.get("foreach"), lr=current["lr"])  # this machine's
     optimizer.load_state_dict(checkpoint["optimizer"])
     history.extend(checkpoint["history"])
     if dist.get_rank() == 0:

@@ -1,0 +1,54 @@
+"""COMPILE=True, compiled for real (inductor, on the CPU here): the network and its loss in one graph, no recompilation
+over an epoch whose learning rate changes every step, and the eager run's results within rounding."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_distribute as td
+from safeguards import settings
+from tests.conftest import SETTINGS, call, width
+
+SMALL = ["--dataset=synthetic", "--synthetic_size=320", "--image_size=16", *width(4), "--batch_size=32"]
+
+
+def two_epochs(out_dir: str, compile: str) -> int:
+    """What the test runs (tests.conftest.call), in a process of its own: two epochs of one rank, the second one with
+    any recompilation an error."""
+    import torch._dynamo
+    import torch.distributed as dist
+
+    from benchmarks.launches import join_group
+
+    run = td.build_run(settings.read(td, [*SMALL, "--world_size=1", f"--compile={compile}"]), join_group())
+    (loss_1, correct_1, images), _, lr_1 = td.train_epoch(run, 1)
+    graphs = dict(torch._dynamo.utils.counters["stats"])
+    torch._dynamo.config.error_on_recompile = True
+    (loss_2, correct_2, _), _, lr_2 = td.train_epoch(run, 2)
+    figures = {"loss": [loss_1 / images, loss_2 / images], "lr": [lr_1, lr_2], "graphs": graphs}
+    figures["breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    if compile == "True":  # what the one graph holds
+        torch._dynamo.config.error_on_recompile = False
+        x, y = next(iter(run.train_data.train_batches(32, 1, 0, 0, 3)))
+        figures["graph"] = "".join(g.code for g in torch._dynamo.explain(run.ddp_model._orig_mod)(x, y).graphs)
+    torch.save([p.detach() for p in run.model.parameters()], Path(out_dir, f"{compile}.pt"))
+    Path(out_dir, f"{compile}.json").write_text(json.dumps(figures))
+    dist.destroy_process_group()
+    return 0
+
+
+@pytest.mark.skipif("WIDTH" not in SETTINGS, reason="sized for the template ResNet")
+def test_a_compiled_run_is_one_graph_never_recompiled_for_a_new_lr_and_trains_as_the_eager_run(tmp_path):
+    for compile in ("False", "True"):
+        result = call("tests.test_compile:two_epochs", str(tmp_path), compile, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    eager, compiled = (json.loads((tmp_path / f"{c}.json").read_text()) for c in ("False", "True"))
+    assert compiled["graphs"].get("unique_graphs") == 1 and compiled["breaks"] == 0, compiled
+    assert "cross_entropy" in compiled["graph"] and "conv2d" in compiled["graph"]  # the loss with the network
+    assert compiled["lr"] == eager["lr"] and compiled["lr"][0] != compiled["lr"][1]  # a new LR at every step
+    for a, b in zip(compiled["loss"], eager["loss"], strict=True):
+        assert abs(a - b) < 1e-3 * b, (compiled["loss"], eager["loss"])
+    weights = [torch.cat([p.flatten() for p in torch.load(tmp_path / f"{c}.pt")]) for c in ("False", "True")]
+    assert (weights[1] - weights[0]).norm() < 5e-3 * weights[0].norm()  # measured: 7e-4 (bf16 rounding)
