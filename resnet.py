@@ -34,6 +34,8 @@ class ResBlock(nn.Module):
         # block 4 (8w -> 8w, stride 1) keeps an identity shortcut. The projection is the seed's strided 1x1 conv as
         # a function: every stride-th pixel (forward), then stride 1. oneDNN's kernel for the strided one corrupts
         # the heap in its channels_last weight gradient on x86 CPUs at up to 8 input channels (docs/cpu-kinds.md).
+        # The pixels are picked by a 1x1 average pool, not by slicing: the slice's gradient (and global pooling's,
+        # in forward) would come back contiguous, and each ReLU's gradient of mixed layouts was 2 to 10x slower.
         self.shortcut: nn.Module = nn.Identity()
         if ch_in != ch_out:  # built only where it is used, as the seed does
             self.shortcut = nn.Sequential(nn.Conv2d(ch_in, ch_out, kernel_size=1, bias=bias), nn.BatchNorm2d(ch_out))
@@ -41,7 +43,7 @@ class ResBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         residual = F.relu(self.bn_1(self.conv_1(x)))
         residual = self.bn_2(self.conv_2(residual))
-        out = residual + self.shortcut(x[:, :, :: self.stride, :: self.stride])
+        out = residual + self.shortcut(F.avg_pool2d(x, 1, self.stride) if self.stride > 1 else x)
         return F.relu(out)  # the seed's block returns `out`
 
 
@@ -64,5 +66,5 @@ class ResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.blocks(F.relu(self.stem(x)))
-        x = F.adaptive_avg_pool2d(x, 1).flatten(1)
+        x = F.avg_pool2d(x, x.shape[2:]).flatten(1)  # global average pool (see the shortcut's comment)
         return self.head(x)
