@@ -349,10 +349,8 @@ class StreamLoader(Loader):
                 if (marks >= 0).all():  # nothing of the batch to train on: the data is gone
                     raise UserError(f"{self.files.unreadable(bad)}; put back good copies and resume; {KEPT}")
                 pixels, labels = pixels[marks < 0], labels[marks < 0]  # the files that cannot be read are left out
-            yield (
-                self.prepare(pixels.to(self.device, non_blocking=True), generator),
-                labels.to(self.device, non_blocking=True),
-            )
+            pixels, labels = (part.to(self.device, non_blocking=True) for part in (pixels, labels))
+            yield self.prepare(pixels, generator), labels
         readable_enough(self.files, bad, "left out of this pass" if generator else None)  # DDP: every rank
 
 

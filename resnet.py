@@ -9,13 +9,11 @@ Layout (width w = 64 is the seed's network):
     block  8w -> 8w, stride 1 (identity shortcut)        8x8
     head   global average pool, Linear(8w, num_classes)
 
-Each block is two 3x3 conv + BN with a ReLU between them, plus a 1x1 conv + BN
-shortcut where the channel count changes. The seed returns the plain sum of the
-two paths; standard ResNets, and this one, apply a ReLU to the sum. The ReLU adds no
-parameters and measurably helps (docs/accuracy.md, "Earlier measurements of the recipe": +3.3 points).
-Two kernels a layer fewer than the seed's on a GPU: no bias in a convolution (the BatchNorm after it removes one in
-training) and no count of batches in BatchNorm (read only with momentum=None). seed=True builds the seed's network
-with both: 9,553,674 parameters against our 9,549,898 at width 64."""
+Each block is two 3x3 conv + BN with a ReLU between them, plus a 1x1 conv + BN shortcut where the channel count changes.
+The seed returns the plain sum of the two paths; standard ResNets, and this one, apply a ReLU to the sum. The ReLU adds
+no parameters and measurably helps (docs/accuracy.md, "Earlier measurements of the recipe": +3.3 points). No bias in a
+convolution (the BatchNorm after it removes one in training), no count of batches in BatchNorm (read only with
+momentum=None): two GPU kernels a layer fewer. seed=True keeps both, as the seed: 9,553,674 parameters."""
 
 import torch
 from torch import nn
@@ -30,12 +28,9 @@ class ResBlock(nn.Module):
         self.bn_1 = nn.BatchNorm2d(ch_out)
         self.conv_2 = nn.Conv2d(ch_out, ch_out, kernel_size=3, stride=1, padding=1, bias=bias)
         self.bn_2 = nn.BatchNorm2d(ch_out)
-        # The seed projects the shortcut only when the channel count changes;
-        # block 4 (8w -> 8w, stride 1) keeps an identity shortcut. The projection is the seed's strided 1x1 conv as
-        # a function: every stride-th pixel (forward), then stride 1. oneDNN's kernel for the strided one corrupts
-        # the heap in its channels_last weight gradient on x86 CPUs at up to 8 input channels (docs/cpu-kinds.md).
-        # The pixels are picked by a 1x1 average pool, not by slicing: the slice's gradient (and global pooling's,
-        # in forward) would come back contiguous, and each ReLU's gradient of mixed layouts was 2 to 10x slower.
+        # A shortcut only where the channel count changes, as the seed's. Its strided 1x1 conv as every stride-th pixel
+        # (a 1x1 average pool; a slice's gradient would come back contiguous), then stride 1: oneDNN's strided kernel
+        # corrupts the heap in its channels_last weight gradient on x86 CPUs at up to 8 input channels (cpu-kinds.md).
         self.shortcut: nn.Module = nn.Identity()
         if ch_in != ch_out:  # built only where it is used, as the seed does
             self.shortcut = nn.Sequential(nn.Conv2d(ch_in, ch_out, kernel_size=1, bias=bias), nn.BatchNorm2d(ch_out))
@@ -66,5 +61,5 @@ class ResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.blocks(F.relu(self.stem(x)))
-        x = F.avg_pool2d(x, x.shape[2:]).flatten(1)  # global average pool (see the shortcut's comment)
+        x = F.avg_pool2d(x, x.shape[2:]).flatten(1)  # global average pool, channels_last in backward
         return self.head(x)

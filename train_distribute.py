@@ -125,9 +125,8 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
     if info.world_size > 1:  # DDP: wrap the model; gradients are all-reduced in buckets (alone, DDP only copies them)
         options = {"gradient_as_bucket_view": True, **distribute_tools.NO_BUFFER_SYNC}
         ddp_model = DistributedDataParallel(ddp_model, device_ids, **options)
-    if cfg.COMPILE:  # the network and its loss in one graph; DDP's bucketed all-reduce still overlaps the backward
-        ddp_model = torch.compile(ddp_model)
-    bf16, precision = distribute_tools.autocast_bf16(info.device, cfg.AMP, model, cfg.IMAGE_SIZE)  # and its words
+    ddp_model = torch.compile(ddp_model) if cfg.COMPILE else ddp_model  # the network and its loss in one graph
+    bf16, precision = start.autocast_bf16(info.device, cfg.AMP, model, cfg.IMAGE_SIZE)  # and its words
     optimizer = muon.make_optimizer(cfg, model, peak_lr(cfg), info.device, bf16)  # muon.py: the optimizers
     return Run(cfg, info, model, ddp_model, optimizer, train_data, test_data, record, bf16, precision)
 
@@ -226,21 +225,18 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
 
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, sums: torch.Tensor) -> None:
-    """One optimizer step on this rank's share of the global batch, in ACCUMULATE micro-batches (less memory, the same
-    step but for BatchNorm, which sees each micro-batch alone). Adds [loss x images, correct, images] to the device
-    tensor `sums` (no host sync)."""
+    """One optimizer step on this rank's share of the batch, in ACCUMULATE micro-batches (less memory; BatchNorm sees
+    each alone). Adds [loss x images, correct, images] to the device tensor `sums` (no host sync)."""
     for group in run.optimizer.param_groups:  # Muon's LR is a device tensor, filled in place (safe in a CUDA graph)
         group["lr"].fill_(lr) if torch.is_tensor(group["lr"]) else group.update(lr=lr)
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches = list(zip(x.chunk(run.cfg.ACCUMULATE), y.chunk(run.cfg.ACCUMULATE), strict=True))
-    device = run.info.device.type
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=run.bf16):  # one: weights cast to bf16 once a step
+    with torch.autocast(run.info.device.type, dtype=torch.bfloat16, enabled=run.bf16):  # weights cast once a step
         for i, (x_part, y_part) in enumerate(micro_batches):
             # DDP: gradients are averaged over the ranks during the last micro-batch's backward, bucket by bucket
-            waits = i < len(micro_batches) - 1 and run.info.world_size > 1
-            with run.ddp_model.no_sync() if waits else nullcontext():
+            with run.ddp_model.no_sync() if run.info.world_size > 1 and i < len(micro_batches) - 1 else nullcontext():
                 logits, loss = run.ddp_model(x_part, y_part)
-                with torch.autocast(device, enabled=False):  # backward outside autocast, as torch advises
+                with torch.autocast(run.info.device.type, enabled=False):  # backward outside autocast, as advised
                     (loss * (len(y_part) / len(y))).backward()  # gradients add up to those of the share's mean
             sums[0].add_(loss.detach(), alpha=len(y_part))  # in place: a launch each (+= on an element is two)
             sums[1].add_((logits.argmax(dim=1) == y_part).sum())

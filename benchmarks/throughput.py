@@ -48,10 +48,11 @@ import distribute_tools
 import muon
 import train_distribute as td
 from data import make_synthetic
-from distribute_tools import bf16_is_fast, choose_device
+from distribute_tools import choose_device
 from resnet import ResNet
 from safeguards import failures, files, settings
 from safeguards.failures import UserError
+from safeguards.start import bf16_is_fast
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, for the MFU line

@@ -1,6 +1,7 @@
 """The start rule, and one run per OUTPUT_DIR. `decide` says whether a start is new, a resume (RESUME=True, or a
 restart by torchrun or SLURM, which resumes by itself) or finished: the launcher asks it before any rank starts, and
-rank 0 asks it again for every rank (torch's rendezvous orders machines by address, so rank 0's stays the same)."""
+rank 0 asks it again for every rank (torch's rendezvous orders machines by address, so rank 0's stays the same).
+autocast_bf16: bf16 where it is fast (GPUs from Ampere on, CPUs with native bf16), unless oneDNN gets it wrong."""
 
 import glob
 import os
@@ -13,6 +14,7 @@ from typing import Any
 import filelock
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from distribute_tools import DistInfo, under_torchrun
 from safeguards import failures, files, settings
@@ -200,3 +202,38 @@ def _read(cfg: SimpleNamespace, restart: str) -> dict[str, Any] | None:
         if not (cfg.RESUME or restart):
             return None
         raise UserError(f"cannot read {path} ({failures.first_line(e, 80)}); put back a good copy or move it") from None
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """bf16 autocast pays off on GPUs with bf16 (Ampere on) and on CPUs with native bf16 instructions."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""  # Linux names CPU features
+    return "avx512_bf16" in cpu or "amx_bf16" in cpu
+
+
+def autocast_bf16(device: torch.device, amp: bool, model: nn.Module, image_size: int) -> tuple[bool, str]:
+    """Whether a run autocasts to bf16 (AMP, where bf16 is fast), and the first line's words for it: fp32 for a
+    network that oneDNN's bf16 kernels get wrong on CPUs (cpu_bf16_faults), with the first such convolution."""
+    bf16 = amp and bf16_is_fast(device)
+    faults = cpu_bf16_faults(model, image_size) if bf16 and device.type == "cpu" else []
+    if faults:
+        return False, f"fp32 (oneDNN's bf16 is wrong for {faults[0]} on CPUs: docs/cpu-kinds.md)"
+    return bf16, "bf16 autocast" if bf16 else "fp32"
+
+
+def cpu_bf16_faults(model: nn.Module, image_size: int) -> list[str]:
+    """The strided convolutions with a 1x1 output at this size (mobilenet_v3_small's at 16x16), found by one blank
+    forward pass: oneDNN's bf16 weight gradient of those holds memory it never wrote (docs/cpu-kinds.md)."""
+    found: list[str] = []
+    strided = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Conv2d) and max(m.stride) > 1]
+    hooks = [
+        m.register_forward_hook(lambda *io, n=name: found.extend([n] * (io[2].shape[-2:] == (1, 1))))
+        for name, m in strided
+    ]
+    with torch.no_grad():
+        model.eval()(torch.zeros(2, 3, image_size, image_size))
+    model.train()
+    for hook in hooks:
+        hook.remove()
+    return found

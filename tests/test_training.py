@@ -20,7 +20,7 @@ from torch import nn
 import distribute_tools
 import train_distribute
 from resnet import ResNet
-from safeguards import files, settings
+from safeguards import files, settings, start
 from tests.conftest import (
     HANG_TIMEOUT,
     TINY,
@@ -253,8 +253,8 @@ def test_a_network_that_onednn_gets_wrong_in_bf16_on_cpus_is_found_and_the_templ
     with bf16): such a network trains in fp32 there, as its first line says. The template's ResNet has none, down to
     the smallest IMAGE_SIZE."""
     strided = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1))
-    assert distribute_tools.cpu_bf16_faults(strided, 4) == ["2"] and distribute_tools.cpu_bf16_faults(strided, 8) == []
-    assert distribute_tools.cpu_bf16_faults(ResNet(4), 8) == [] and strided.training
+    assert start.cpu_bf16_faults(strided, 4) == ["2"] and start.cpu_bf16_faults(strided, 8) == []
+    assert start.cpu_bf16_faults(ResNet(4), 8) == [] and strided.training
 
 
 def test_two_ranks_step_like_one_rank_on_the_whole_batch(without_batchnorm):
