@@ -58,13 +58,13 @@ class MuonSGD(torch.optim.Optimizer):
         # SGD's Nesterov updates (L2 decay included), then every parameter's step: a few foreach kernels in all
         (group,) = self.param_groups
         params = [p for p in group["params"] if p.grad is not None]  # not those frozen
-        grads = [p.grad for p in params]
-        if decay := group["weight_decay"]:
-            grads = torch._foreach_add(grads, params, alpha=decay)
-        buffers = [self.state[p]["momentum_buffer"] for p in params]
+        grads, buffers = [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params]
+        if decay := group["weight_decay"]:  # the gradients become the updates, in place: no tensor made per step
+            torch._foreach_add_(grads, params, alpha=decay)
         torch._foreach_mul_(buffers, group["momentum"])
         torch._foreach_add_(buffers, grads)
-        updates = dict(zip(params, torch._foreach_add(grads, buffers, alpha=group["momentum"]), strict=True))
+        torch._foreach_add_(grads, buffers, alpha=group["momentum"])
+        updates = dict(zip(params, grads, strict=True))
         filters = [updates.get(p, self.state[p]["momentum_buffer"]) for p in self.filters]  # frozen: momentum, zero
         updates |= dict(zip(self.filters, self.banks.orthogonalise(filters), strict=True))
         updates = [updates[p] for p in params]  # all dense, in the parameters' layout: one CUDA kernel per foreach
