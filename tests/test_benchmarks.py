@@ -2,7 +2,6 @@
 far as CUDA's first initialisation, and a dry run of every step at small sizes."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -18,14 +17,14 @@ class RanksStarted(Exception):
     pass
 
 
-def test_throughput_initialises_no_cuda_before_it_forks_the_seeds_ranks(tmp_path, monkeypatch):
+def test_throughput_initialises_no_cuda_before_it_forks_the_seeds_ranks(monkeypatch):
     """On a GPU the seed's ranks are forked from throughput.py's process: CUDA initialised there first would fail each
     of them ("Cannot re-initialize CUDA in forked subprocess"). A GPU is faked here as far as that initialisation."""
     events = []
-    smi = tmp_path / "nvidia-smi"  # what nvidia-smi prints on an H200
-    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 9.0'\n")
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    # what nvidia-smi prints on an H200 (answered here: a script written now could not be run while another thread's
+    # fork still holds it open, "Text file busy")
+    smi = subprocess.CompletedProcess(["nvidia-smi"], 0, "NVIDIA H200, 9.0\n", "")
+    monkeypatch.setattr(throughput.subprocess, "run", lambda command, **options: smi)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
