@@ -5,6 +5,7 @@ interpreters, as a user's run is."""
 import fcntl
 import os
 import re
+import select
 import signal
 import struct
 import subprocess
@@ -137,11 +138,9 @@ def test_an_epoch_shows_its_progress_as_a_bar_on_a_terminal_and_as_lines_in_a_lo
     controller, terminal = os.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a window of 120 columns
     on_terminal = launch(*TINY, "--epochs=2", f"--output_dir={tmp_path / 'tty'}", output=os.ttyname(terminal))
-    os.close(terminal)
     in_a_log = launch(*TINY, "--epochs=2", f"--output_dir={tmp_path / 'log'}", env=clean_env(TEST_PROGRESS_SECONDS="0"))
-    shown = b""
-    while chunk := read_or_nothing(controller):
-        shown += chunk
+    shown = read_until_it_ends(controller, on_terminal)  # the terminal stays open here: the run may open it late
+    os.close(terminal)
     os.close(controller)
     assert on_terminal.wait(HANG_TIMEOUT) == 0, shown
     screen = shown.decode(errors="replace")
@@ -152,12 +151,18 @@ def test_an_epoch_shows_its_progress_as_a_bar_on_a_terminal_and_as_lines_in_a_lo
     assert "\r" not in log and "%|" not in log + err  # no bar in a file
 
 
-def read_or_nothing(controller: int) -> bytes:
-    """What the terminal shows next; b"" once no process holds it any more."""
-    try:
-        return os.read(controller, 4096)
-    except OSError:  # EIO: every process that had it open has ended
-        return b""
+def read_until_it_ends(controller: int, run) -> bytes:
+    """All that the terminal shows until `run` has ended. (Closing our end of the terminal first, and reading until no
+    process holds it, failed 1 in many runs under load: the run, started in another process, had not opened the
+    terminal yet, the read ended at once, and the run's writes then failed.)"""
+    shown, deadline = b"", time.monotonic() + HANG_TIMEOUT
+    while time.monotonic() < deadline:
+        ended = run.poll() is not None  # then read what is left, and stop
+        while select.select([controller], [], [], 0.1)[0]:
+            shown += os.read(controller, 4096)
+        if ended:
+            return shown
+    return shown
 
 
 def test_sigterm_to_the_launcher_exits_75_with_the_epochs_files_whole(tmp_path):
