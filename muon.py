@@ -64,10 +64,10 @@ class MuonSGD(torch.optim.Optimizer):
         torch._foreach_mul_(buffers, group["momentum"])
         torch._foreach_add_(buffers, grads)
         torch._foreach_add_(grads, buffers, alpha=group["momentum"])
-        updates = dict(zip(params, grads, strict=True))
-        filters = [updates.get(p, self.state[p]["momentum_buffer"]) for p in self.filters]  # frozen: momentum, zero
-        updates |= dict(zip(self.filters, self.banks.orthogonalise(filters), strict=True))
-        updates = [updates[p] for p in params]  # all dense, in the parameters' layout: one CUDA kernel per foreach
+        by_param = dict(zip(params, grads, strict=True))
+        filters = [by_param.get(p, self.state[p]["momentum_buffer"]) for p in self.filters]  # frozen: momentum, zero
+        by_param |= dict(zip(self.filters, self.banks.orthogonalise(filters), strict=True))
+        updates = [by_param[p] for p in params]  # all dense, in the parameters' layout: one CUDA kernel per foreach
         scale = [-group["muon_scale"] * max(1, len(p) / p[0].numel()) ** 0.5 for p in params]  # tall: as a square's
         torch._foreach_mul_(updates, [s if p.ndim == 4 else -1.0 for s, p in zip(scale, params, strict=True)])
         torch._foreach_mul_(updates, group["lr"])
