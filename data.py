@@ -1,9 +1,6 @@
-"""CIFAR-10, your image folder or generated images, as each rank's batches, cropped, flipped and normalised on the
-device, by two loaders with one interface:
-
-    MemoryLoader  CIFAR-10, generated images or an image folder that fits, on the device as uint8: per epoch this
-                  rank's shard of one permutation every rank draws alike, batches cut by indexing
-    StreamLoader  a larger image folder: DataLoader + DistributedSampler (the same order), workers decoding the files"""
+"""CIFAR-10, your image folder or generated images as each rank's batches, cropped, flipped and normalised on the
+device: MemoryLoader (the split on the device, batches cut by indexing a permutation every rank draws alike) or
+StreamLoader (an image folder too large for that: DataLoader + DistributedSampler, workers decoding the files)."""
 
 import hashlib
 import multiprocessing
@@ -255,16 +252,22 @@ def decoded(files: ImageFiles, workers: int, training: bool) -> tuple[torch.Tens
 
 
 def readable_enough(files: ImageFiles, bad: list[int], left_out: str | None) -> torch.Tensor:
-    """True for each file every rank could read in a pass; rank 0 names the rest in a line (over a tenth stops all)."""
+    """True for each file every rank could read in a pass; rank 0 names the rest in a line (over a tenth, or a class's
+    every file, stops all)."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, bad)  # DDP: every rank, at the end of each pass
-    if found := sorted({i for theirs in everyone for i in theirs}):
+    found = sorted({i for theirs in everyone for i in theirs})
+    readable = torch.isin(torch.arange(len(files)), torch.tensor(found, dtype=torch.long), invert=True)
+    if found:
         line = files.unreadable(found)
+        if emptied := set(files.labels.tolist()) - set(files.labels[readable].tolist()):  # as a class with no images
+            folder = os.path.dirname(os.fsdecode(files.paths[(files.labels == min(emptied)).numpy()][0]))
+            raise UserError(f"no image in {folder} can be read ({line}); put back good copies and resume; {KEPT}")
         if len(found) > UNREADABLE_STOP * len(files):
             raise UserError(f"{line}; put back good copies and resume; {KEPT}")
         what = left_out or f"the accuracy is over the other {len(files) - len(found):,}"
         print(f"warning: {line}; {what}", file=sys.stderr, flush=True) if dist.get_rank() == 0 else None
-    return torch.isin(torch.arange(len(files)), torch.tensor(found, dtype=torch.long), invert=True)
+    return readable
 
 
 # ----------------------------------------------------------------------------- the loaders

@@ -18,13 +18,14 @@ import torch
 
 import data
 import train_distribute
-from safeguards import settings, start
+from safeguards import failures, settings, start
 from safeguards.failures import UserError, first_line
 
 
 class Classifier:
     """A run's network (make_model with the checkpoint's settings) and weights, its preprocessing (IMAGE_SIZE, the
-    stretch, the normalisation, TTA) and class names, all read from its checkpoint. fp32, on a GPU when there is one."""
+    stretch, the normalisation, TTA), class names and precision, all read from its checkpoint; on a GPU when there is
+    one. It computes as the run's evaluation did: in bf16 autocast if that did, in its memory layout."""
 
     def __init__(self, path: str, device: str | None = None) -> None:
         try:
@@ -35,15 +36,16 @@ class Classifier:
             raise UserError(f"{path} is not a checkpoint of train_distribute.py; give a run's checkpoint.pt")
         cfg = SimpleNamespace(**{**vars(settings.read(train_distribute, [])), **saved["config"]})
         self.classes, self.image_size = list(saved["data"]["classes"]), int(saved["data"]["image_size"])
+        self.bf16 = bool(saved.get("bf16", False))  # the run's evaluation's precision
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = train_distribute.make_model(cfg, len(self.classes))
         if differs := start.compare_weights(self.model, saved["model"])[1]:
             other = f"{path} holds another network than make_model builds ({differs})"
             raise UserError(f"{other}; use the code that made it")
         self.model.load_state_dict(saved["model"])
-        self.model.to(self.device).eval().requires_grad_(False)  # fp32, plain layout, no gradients: as exports want
-        loader = data.Loader(False, saved["data"]["mean"], saved["data"]["std"], self.device, torch.contiguous_format)
-        self.module = Evaluation(self.model, loader, cfg.TTA)  # what predict.py computes, as one module to ship
+        self.model.to(self.device, memory_format=torch.channels_last).eval().requires_grad_(False)  # no gradients
+        loader = data.Loader(False, saved["data"]["mean"], saved["data"]["std"], self.device, torch.channels_last)
+        self.module = Evaluation(self.model, loader, cfg.TTA).eval()  # what predict.py computes, as a module to ship
 
     def __call__(self, paths: list[str]) -> torch.Tensor:
         """The class probabilities of image files, one row per file."""
@@ -52,7 +54,8 @@ class Classifier:
     @torch.no_grad()
     def probabilities(self, pixels: torch.Tensor) -> torch.Tensor:
         """The softmax of the logits the run's evaluation uses, for uint8 images (N, IMAGE_SIZE, IMAGE_SIZE, 3)."""
-        return self.module(pixels.to(self.device)).cpu()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):  # .module alone: fp32
+            return self.module(pixels.to(self.device)).cpu()
 
 
 class Evaluation(torch.nn.Module):
@@ -97,20 +100,16 @@ def main(argv: list[str]) -> int:
         found = [(path, p) for path, p, ok in zip(listed, torch.cat(probabilities), readable, strict=True) if ok]
         if not found:
             raise UserError("none of the images could be read; give image files that open as images")
-        if skipped := [path for path, ok in zip(listed, readable, strict=True) if not ok]:
-            print(f"warning: skipped {len(skipped)} file(s) that are no images: {skipped[0]}", file=sys.stderr)
+        if skipped := [i for i, ok in enumerate(readable) if not ok]:
+            print(f"warning: {files.unreadable(skipped)}; skipped", file=sys.stderr)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = [[path, classifier.classes[p.argmax()], f"{p.max():.6f}"] for path, p in found]
     if labelled := [name == listed[path] for path, name, _ in rows if listed[path] in classifier.classes]:
         print(f"accuracy {sum(labelled) / len(labelled):.4f} on {len(labelled):,} images", file=sys.stderr)
-    try:
-        sys.stdout.reconfigure(encoding="utf-8")
-        csv.writer(sys.stdout, lineterminator="\n").writerows([["path", "class", "probability"], *rows])
-        sys.stdout.flush()
-    except BrokenPipeError:  # `predict.py ... | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to write at exit
+    failures.survive_closed_stdout()  # `predict.py ... | head`: the reader has what it wanted
+    csv.writer(sys.stdout, lineterminator="\n").writerows([["path", "class", "probability"], *rows])
     return 0
 
 

@@ -34,11 +34,8 @@ from safeguards.failures import UserError
 
 # ----------------------------------------------------------------------------- settings
 DATASET: Literal["cifar10", "imagefolder", "synthetic"] = "cifar10"  # downloaded, your images, or generated
-DATA_DIR: str = "./data"  # CIFAR-10 is downloaded here; imagefolder reads DATA_DIR/train/<class>/ and test/<class>/
 SYNTHETIC_SIZE: int = 10_000  # training images of DATASET="synthetic" (and a fifth as many test images)
-OUTPUT_DIR: str = "./output"  # CSV, picture and checkpoint; an earlier run's files there move to previous-<time>/
 IMAGE_SIZE: int = 32  # images of another size are stretched to this square; CIFAR-10 is 32
-NUM_WORKERS: int = -1  # image folders: decoding processes per rank; -1: the rank's share of the cores less one, min. 1
 WIDTH: int = 64  # channels of the first layer: 64 is the seed's network (9.6 M parameters); 8 or 16 for quick runs
 # the recipe; the seed's: --optimizer adam --lr 1e-3 --schedule constant --batch_size 256 --epochs 100
 # --weight_decay 0 --label_smoothing 0 --augment False --tta False
@@ -52,11 +49,14 @@ MOMENTUM: float = 0.9  # sgd, muon: Nesterov momentum
 WEIGHT_DECAY: float = 5e-4  # L2 penalty, multiplied by the (batch-scaled) LR each step
 LABEL_SMOOTHING: float = 0.2  # share of each training target spread evenly over all classes (0: plain cross-entropy)
 AUGMENT: bool = True  # random crops (shifts of up to an eighth of the image, reflect padding) and flips, on the device
-TTA: bool = True  # test-time augmentation: average the logits of each test image and its mirror image
 MUON_SCALE: float = 0.1  # muon: the filters' orthogonalised step, per unit of LR (the run's, batch-scaled)
 SEED: int = 0  # model init, data order and augmentation derive from SEED, the epoch and the rank only
 INIT_FROM: str = ""  # fine-tune: a checkpoint.pt whose tensors of matching name and shape replace the initial weights
-# speed, hardware and processes (a resumed run may change these)
+# where and how it runs and reports: a resumed run may change these (the settings above are its checkpoint's)
+DATA_DIR: str = "./data"  # CIFAR-10 is downloaded here; imagefolder reads DATA_DIR/train/<class>/ and test/<class>/
+OUTPUT_DIR: str = "./output"  # CSV, picture and checkpoint; an earlier run's files there move to previous-<time>/
+NUM_WORKERS: int = -1  # image folders: decoding processes per rank; -1: the rank's share of the cores less one, min. 1
+TTA: bool = True  # test-time augmentation: average the logits of each test image and its mirror image
 AMP: bool = True  # bf16 autocast on GPUs and on CPUs with native bf16 (fp32 elsewhere, or when False)
 COMPILE: bool = False  # torch.compile the model: faster steps after a minute or more of compiling
 ACCUMULATE: int = 1  # micro-batches per step: each rank's share of the batch in this many passes, in less memory
@@ -115,7 +115,7 @@ def main_worker(cfg: SimpleNamespace) -> None:
 
 def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
     """Data on the device, the network wrapped in DDP, the optimizer."""
-    train_data, test_data, record = data.load(cfg, info, torch.channels_last)  # DDP: the ranks compare their data
+    train_data, test_data, record = data.load(cfg, info, torch.channels_last)  # DDP: ranks pool unreadable images
     torch.backends.cudnn.benchmark = info.device.type == "cuda"  # fixed shapes: pick the fastest convolution once
     torch.manual_seed(cfg.SEED)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = make_model(cfg, len(record["classes"]))
@@ -168,9 +168,9 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
                 "write_wait_seconds": waited,  # how long training waited for the previous epoch's files
             }
             history.append(row)
-            if writer:  # checkpoint.pt: weights (no DDP prefixes), optimizer, the rows so far, what resume checks
+            if writer:  # checkpoint.pt: weights (no DDP prefixes), optimizer, rows, what resume and predict.py need
                 state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "history": history}
-                state |= {"epoch": epoch, "config": vars(cfg), "data": run.data}
+                state |= {"epoch": epoch, "config": vars(cfg), "data": run.data, "bf16": run.bf16}
                 writer.submit(state, history)
                 print(files.epoch_line(row, cfg.EPOCHS), flush=True)
     finally:

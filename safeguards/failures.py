@@ -1,16 +1,14 @@
-"""How a run ends: stop signals, and the one place (`outcome`) that turns a failure into its line and exit code.
-
-    0 finished    2 a mistake the user can fix (one line)    75 stopped by SIGTERM or SIGUSR1 (resumable)
-    130 Ctrl-C    1 anything else: a rank failed or was killed
-
-Started by `python train_distribute.py`, a rank hands its line to the launcher in the file torch's elastic agent reads
-(TORCHELASTIC_ERROR_FILE), and the launcher prints the run's; under torchrun, the rank prints it."""
+"""How a run ends: stop signals, and the one place (`outcome`) that turns a failure into its line and exit code (0
+finished, 2 a mistake, 75 stopped, resumable, 130 Ctrl-C, 1 a failure). A rank writes its line into torch's error
+file: our launcher prints it for the run; under torchrun the rank prints it too, and torchrun's summary names it."""
 
 import ctypes
 import datetime
+import io
 import json
 import multiprocessing
 import os
+import re
 import signal
 import sys
 import threading
@@ -182,10 +180,30 @@ def all_ranks_try(action: Callable[[], Any] | None) -> Any:
 # ----------------------------------------------------------------------------- the one place for lines and codes
 
 
+class _Stdout(io.TextIOWrapper):
+    """stdout, each write straight to the file: a closed pipe fails the write, which sends the rest to /dev/null."""
+
+    def write(self, text: str) -> int:
+        try:
+            return super().write(text)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.fileno())
+            return len(text)
+
+
+def survive_closed_stdout() -> None:
+    """A reader that is gone (`python train_distribute.py | head -2`) must not stop the run: the files are its record.
+    UTF-8 whatever the locale (paths, class names)."""
+    sys.stdout.flush()
+    raw = open(sys.stdout.fileno(), "wb", buffering=0, closefd=False)
+    sys.stdout = _Stdout(raw, encoding="utf-8", write_through=True)
+
+
 def run_rank(body: Callable[[], None]) -> int:
     """One rank from its first line to its exit code. After a failure the process ends at once: tearing down a group
     that peers left can hang (NCCL waits for them; gloo deadlocked on torch 2.4), and the system closes it anyway."""
     guard_parent(os.environ.get(LAUNCHER_PID))
+    survive_closed_stdout()
     try:
         watch_stop_signals(end_if_stuck)
         handle_stop_signals()  # a stop held back while this rank started arrives here
@@ -205,6 +223,7 @@ def run_rank(body: Callable[[], None]) -> int:
 
 def run_launcher(body: Callable[[], None]) -> int:
     """The launcher: 0 when every rank finished, else the code of how the run ended, with its one line."""
+    survive_closed_stdout()
     try:
         handle_stop_signals()
         body()
@@ -248,7 +267,7 @@ def outcome(error: BaseException) -> tuple[int, str]:
         return 1, f"error: rank {rank} ran out of GPU memory ({said}); {how}"
     if lost_peer(error):
         code = EXIT_PEER_LOST if os.environ.get(LAUNCHER_PID) else 1
-        return code, f"[rank {rank}] stopped: another rank failed or was stopped ({first_line(error)}); {KEPT}"
+        return code, f"[rank {rank}] stopped: another rank failed or was stopped (its connection closed); {KEPT}"
     lines = "".join(traceback.format_exception(error)).rstrip().splitlines()
     print("\n".join(f"[rank {rank}] {line}" for line in lines), file=sys.stderr, flush=True)
     return 1, f"error: rank {rank} failed with {type(error).__name__}: {first_line(error)}"
@@ -258,13 +277,15 @@ def _say(code: int, line: str) -> None:
     """Under our launcher the line goes to the launcher, which prints the run's; under torchrun each machine's local
     rank 0 prints a stop or a mistake, every rank a failure (torchrun restarts a mistake: it fails again, alike)."""
     sys.stdout.flush()
-    if os.environ.get(LAUNCHER_PID):
+    said = line if os.environ.get(LAUNCHER_PID) else kept_files(line)  # this rank's writer is closed: files whole
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # the agent's report names it as the root cause (as @record does)
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
+            json.dump({"message": said, "timestamp": int(time.time())}, f)
+    if os.environ.get(LAUNCHER_PID):  # our launcher prints it, naming the kept files once every rank has ended
         time.sleep(1 if code == EXIT_PEER_LOST else 0)  # the agent reports one failure: the rank that failed first's
         return
     if code == 1 or os.environ.get("LOCAL_RANK") == "0":
-        print(kept_files(line), file=sys.stderr, flush=True)  # this rank's writer is closed: its files are whole
+        print(said, file=sys.stderr, flush=True)
     elif code == EXIT_MISTAKE:  # local rank 0 finds it too: it says it, and torchrun then stops this rank (SIGTERM)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(60)
@@ -275,4 +296,6 @@ def lost_peer(error: BaseException | None) -> bool:
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
+    """The error's first line, without the path in torch's C++ sources that gloo puts first ([.../pair.cc:545])."""
+    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return re.sub(r"^\[[^\]]*/[^\]]*:\d+\] ", "", line)[:limit]

@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from resnet import ResNet
 from safeguards.failures import UserError, first_line
 
 CSV_NAME, PLOT_NAME, CHECKPOINT_NAME = "pytorch_res.csv", "pytorch_res.png", "checkpoint.pt"
@@ -22,6 +23,7 @@ RESULT_FILES = (CSV_NAME, PLOT_NAME, CHECKPOINT_NAME)
 EVENTS_PREFIX = "events.out.tfevents."  # TensorBoard's event files (TENSORBOARD=True)
 PLOT_SHARE = 0.02  # the picture, the slowest file, is redrawn at most this share of the time
 PROGRESS_EVERY = 60.0  # seconds between an epoch's progress lines in a log file (a terminal gets a live bar)
+OTHER_NETWORKS = "--optimizer adam --lr 1e-3"  # the recipe's flags for a network swapped in (docs/accuracy.md)
 
 
 class ResultWriter:
@@ -86,9 +88,13 @@ def write_failure(error: Exception, output_dir: str) -> str:
     reason = error.strerror if isinstance(error, OSError) else f"{type(error).__name__}: {first_line(error, 100)}"
     if shutil.disk_usage(output_dir).free < 2**26:  # torch.save reports a full disk without its cause
         reason = "No space left on device"
-    kept = checkpoint_epoch(output_dir)
-    then = f"continue with --resume True (the checkpoint of epoch {kept} is kept)" if kept else "start the run again"
-    return f"could not write {where} ({reason}); free space or choose another --output_dir, then {then}"
+    if not (kept := checkpoint_epoch(output_dir)):
+        return (
+            f"could not write {where} ({reason}); free space or choose another --output_dir, then start the run again"
+        )
+    then = f"continue with --resume True (the checkpoint of epoch {kept} is kept)"
+    elsewhere = f"or copy {os.path.join(output_dir, CHECKPOINT_NAME)} into another --output_dir and resume there"
+    return f"could not write {where} ({reason}); free space, then {then}, {elsewhere}"
 
 
 def write_atomically(path: str, write: Callable[[str], None]) -> None:
@@ -149,6 +155,10 @@ def describe(model: torch.nn.Module, cfg: Any, info: Any, data: dict, steps: int
     batches += f", {steps} steps per epoch" + f" ({left:,} images left out each)" * (left > data["train_images"] / 100)
     ranks = f"{info.world_size} rank(s) on {info.device.type} ({info.backend})"
     run = f"{batches}, {cfg.EPOCHS} epochs | {cfg.OPTIMIZER} | {precision}"
+    if cfg.SCHEDULE == "onecycle" and steps * cfg.EPOCHS < 10:  # one-cycle needs a few steps to rise and fall
+        run += f" | only {steps * cfg.EPOCHS} steps in all, too few for onecycle: lower --batch_size or add epochs"
+    if not isinstance(model, ResNet) and cfg.OPTIMIZER != "adam":  # Muon's and SGD's LR suit the template's ResNet
+        run += f" | {cfg.OPTIMIZER}'s LR was tuned for resnet.py's ResNet: for another network try {OTHER_NETWORKS}"
     return f"{type(model).__name__}({parameters}) | {images} | loader {data['loader']} | {ranks} | {run}"
 
 
@@ -176,6 +186,9 @@ def epoch_line(row: dict, epochs: int) -> str:
 
 
 def summary_line(history: list[dict], output_dir: str) -> str:
-    best, last = max(history, key=lambda row: row["acc"]), history[-1]
-    accuracy = f"best acc {best['acc']:.4f} (epoch {best['epoch']}), final acc {last['acc']:.4f}"
-    return f"done: {len(history)} epochs; {accuracy}; results in {output_dir}"
+    """The last line; an epoch without evaluation (acc nan, say) does not count for the best one."""
+    done, where = f"done: {len(history)} epochs", f"results in {output_dir}"
+    if not (evaluated := [row for row in history if pd.notna(row.get("acc"))]):
+        return f"{done}; {where}"
+    best = max(evaluated, key=lambda row: row["acc"])
+    return f"{done}; best acc {best['acc']:.4f} (epoch {best['epoch']}), final acc {evaluated[-1]['acc']:.4f}; {where}"

@@ -4,6 +4,7 @@ with type, default and comment; a bad value (type or range) and each check that 
 import argparse
 import importlib.util
 import math
+import os
 import re
 import typing
 from types import ModuleType, SimpleNamespace
@@ -12,10 +13,10 @@ from typing import Any
 import distribute_tools
 from safeguards.failures import UserError
 
-# Settings that a resumed run may change: where files are, how it is launched, on what hardware and in how many
-# micro-batches, how it evaluates or reports. Every other setting shapes the run: a resume keeps the checkpoint's.
-FREE_ON_RESUME = set("DATA_DIR OUTPUT_DIR RESUME WORLD_SIZE AMP COMPILE ACCUMULATE TTA NUM_WORKERS".split())
-FREE_ON_RESUME |= {"COLLECTIVE_TIMEOUT", "TENSORBOARD"}
+# The settings a resumed run may change: those below this comment in the block (where and how it runs and reports).
+# Every setting above it shapes the run: a resume keeps the checkpoint's.
+FREE_FROM = "a resumed run may change these"
+FREE_ON_RESUME: set[str] = set()
 # Allowed ranges: (lowest, highest), None where open; one the script lacks (WIDTH, after a network swap) is skipped.
 LIMITS = {name: (1, None) for name in "EPOCHS BATCH_SIZE ACCUMULATE SYNTHETIC_SIZE COLLECTIVE_TIMEOUT WIDTH".split()}
 LIMITS |= {"IMAGE_SIZE": (8, None), "NUM_WORKERS": (-1, None), "WARMUP": (0, 1), "LABEL_SMOOTHING": (0, 0.99)}
@@ -29,7 +30,9 @@ GIVEN: set[str] = set()  # the settings that the command line gave, as the last 
 def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
     """The settings of `script` with the command line's overrides applied, each checked."""
     with open(script.__file__, encoding="utf-8") as f:  # each setting's --help is the comment on its line
-        comments = dict(re.findall(r"^([A-Z][A-Z0-9_]*): .*?  # (.*)$", f.read(), re.MULTILINE))
+        text = f.read()
+    comments = dict(re.findall(r"^([A-Z][A-Z0-9_]*): .*?  # (.*)$", text, re.MULTILINE))
+    FREE_ON_RESUME.update(re.findall(r"^([A-Z][A-Z0-9_]*):", text[text.find(FREE_FROM) :], re.MULTILINE))
     parser = _OneLineParser(description=(script.__doc__ or "").split("\n")[0], allow_abbrev=False)
     for name, kind in ((n, k) for n, k in script.__annotations__.items() if n.isupper()):
         default, choices = getattr(script, name), typing.get_args(kind) or None
@@ -57,7 +60,10 @@ def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
 
 def read_and_check(script: ModuleType, argv: list[str]) -> SimpleNamespace:
     """The settings once they pass every check that needs no rank: in the launcher, and in each torchrun rank."""
-    return check(read(script, argv))
+    cfg = check(read(script, argv))
+    if cfg.INIT_FROM and not cfg.RESUME and not os.path.isfile(cfg.INIT_FROM):  # a resume has weights of its own
+        raise UserError(f"INIT_FROM {cfg.INIT_FROM} is no file; give a run's checkpoint.pt")
+    return cfg
 
 
 def check(cfg: SimpleNamespace) -> SimpleNamespace:
@@ -67,6 +73,9 @@ def check(cfg: SimpleNamespace) -> SimpleNamespace:
     if cfg.BATCH_SIZE % (world_size * cfg.ACCUMULATE):
         split = f"{world_size} ranks x {cfg.ACCUMULATE} micro-batches" if cfg.ACCUMULATE > 1 else f"{world_size} ranks"
         raise UserError(f"BATCH_SIZE={cfg.BATCH_SIZE} does not split evenly over {split}; use a multiple")
+    for name in ("DATA_DIR", "OUTPUT_DIR"):
+        if os.path.isfile(getattr(cfg, name)):
+            raise UserError(f"{name} {getattr(cfg, name)} is a file, not a folder; give a folder")
     if cfg.DATASET == "cifar10" and cfg.IMAGE_SIZE != 32:
         raise UserError(f"IMAGE_SIZE={cfg.IMAGE_SIZE} but CIFAR-10's images are 32x32; use --image_size 32")
     if cfg.TENSORBOARD and importlib.util.find_spec("tensorboard") is None:

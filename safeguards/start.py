@@ -1,11 +1,11 @@
-"""The start rule, and one run per OUTPUT_DIR. `decide` says whether a start is new, a resume (RESUME=True, or a
-restart by torchrun or SLURM, which resumes by itself) or finished: the launcher asks it before any rank starts, and
-rank 0 asks it again for every rank (torch's rendezvous orders machines by address, so rank 0's stays the same).
-autocast_bf16: bf16 where it is fast (GPUs from Ampere on, CPUs with native bf16), unless oneDNN gets it wrong."""
+"""The start rule, and one run per OUTPUT_DIR: `decide` says whether a start is new, a resume (RESUME=True, or a
+restart by torchrun or SLURM, which resumes by itself) or finished, in the launcher and again in rank 0 for every
+rank. autocast_bf16: bf16 where it is fast (GPUs from Ampere on, CPUs with native bf16), unless oneDNN gets it wrong."""
 
 import glob
 import os
 import shutil
+import socket
 import tempfile
 import time
 from types import SimpleNamespace
@@ -48,15 +48,7 @@ def restarted_by() -> str:
 def decide_here(cfg: SimpleNamespace) -> tuple[str, SimpleNamespace]:
     """In the launcher, before any rank: the decision on OUTPUT_DIR, which must be writable and no other run's, and
     the settings the run goes on with. From now on a failure's line names the epoch whose files are kept."""
-    try:
-        os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create OUTPUT_DIR {cfg.OUTPUT_DIR} ({e.strerror}); choose another") from None
-    lock(cfg.OUTPUT_DIR, wait_s=0).release()
-    kind, cfg, _ = decide(cfg, _read(cfg, restarted_by()))
-    if kind == "new" and (moved := move_aside(cfg.OUTPUT_DIR)):  # from now on a checkpoint there is this run's
-        print(f"moved the earlier run's results in {cfg.OUTPUT_DIR} to {moved}", flush=True)
-    failures.tell_kept_files(lambda: kept_files(cfg.OUTPUT_DIR))
+    kind, _, cfg = _begin(cfg, restarted_by(), None, "", hold=False)
     return kind, cfg
 
 
@@ -75,28 +67,42 @@ def lock(output_dir: str, wait_s: float) -> filelock.BaseFileLock:
 
 def all_ranks_begin(cfg: SimpleNamespace, info: DistInfo) -> tuple[str, dict[str, Any] | None, SimpleNamespace]:
     """DDP: every rank gets rank 0's decision, checkpoint and settings (_begin). A start is a restart if any rank's is
-    one: a machine started again joins."""
+    one: a machine started again joins. A resume goes on from the newest checkpoint in any rank's OUTPUT_DIR (machines
+    with disks of their own, and the rendezvous made another one rank 0): its rank hands it over, rank 0 writes on."""
     everyone: list[Any] = [None] * info.world_size
-    dist.all_gather_object(everyone, restarted_by())  # DDP: what makes each rank's start a restart, if anything
-    restart = next((said for said in everyone if said), "")
-    shared = [failures.all_ranks_try(lambda: _begin(cfg, restart) if info.is_main else None)]
+    here = (restarted_by(), files.checkpoint_epoch(cfg.OUTPUT_DIR), f"{socket.gethostname()}:{cfg.OUTPUT_DIR}")
+    dist.all_gather_object(everyone, here)  # DDP: what makes each rank's start a restart, and its checkpoint's epoch
+    restart = next((said for said, *_ in everyone if said), "")
+    holder = max(range(info.world_size), key=lambda rank: (everyone[rank][1], -rank))  # among equals, rank 0
+    found: list[Any] = [None]
+    where = everyone[holder][2]
+    if holder and (cfg.RESUME or restart):  # DDP: the checkpoint from the rank that holds it, to every rank
+        found = [failures.all_ranks_try(lambda: _read(cfg, restart) if info.rank == holder else None)]
+        dist.broadcast_object_list(found, src=holder)
+    shared = [failures.all_ranks_try(lambda: _begin(cfg, restart, found[0], where) if info.is_main else None)]
     dist.broadcast_object_list(shared, src=0)  # DDP: rank 0's decision, checkpoint and settings, to every rank
     return shared[0]
 
 
-def _begin(cfg: SimpleNamespace, restart: str) -> tuple[str, dict[str, Any] | None, SimpleNamespace]:
-    """Rank 0: the decision. A new run moves earlier results aside; a resumed one's lines wait for its checks."""
-    kind, cfg, lines = decide(cfg, saved := _read(cfg, restart), restart)
+def _begin(cfg: SimpleNamespace, restart: str, handed: Any, where: str, hold: bool = True) -> tuple[str, Any, Any]:
+    """Rank 0 (and the launcher, which does not `hold` the lock): the decision. A new run moves earlier results aside;
+    a resumed one's lines wait for its checks."""
+    kind, cfg, lines = decide(cfg, saved := handed or _read(cfg, restart), restart)
     if kind == "finished":
         return kind, None, cfg
-    os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
-    _held.append(lock(cfg.OUTPUT_DIR, wait_s=10 if restart else 0))
+    try:
+        os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create OUTPUT_DIR {cfg.OUTPUT_DIR} ({e.strerror}); choose another") from None
+    held = lock(cfg.OUTPUT_DIR, wait_s=10 if restart else 0)
+    _held.append(held) if hold else held.release()
     for name in glob.glob(os.path.join(glob.escape(cfg.OUTPUT_DIR), "*.tmp*")):  # of a run killed in mid-write
         os.remove(name)
     if kind == "new" and (moved := move_aside(cfg.OUTPUT_DIR)):
-        print(f"moved the earlier run's results in {cfg.OUTPUT_DIR} to {moved}")
+        print(f"moved the earlier run's results in {cfg.OUTPUT_DIR} to {moved}", flush=True)
     if kind == "resume":  # said, and the CSV rewritten, once its data and network are checked (restore)
-        saved["told"] = [f"resuming after epoch {saved['epoch']} of {cfg.EPOCHS}", *lines]
+        came = f" with the checkpoint in {where}, the newest; from now on the files go to {cfg.OUTPUT_DIR}"
+        saved["told"] = [f"resuming after epoch {saved['epoch']} of {cfg.EPOCHS}{came * bool(handed)}", *lines]
     failures.tell_kept_files(lambda: kept_files(cfg.OUTPUT_DIR))
     return kind, saved if kind == "resume" else None, cfg
 

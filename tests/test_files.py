@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -169,8 +170,9 @@ def test_the_checkpoint_is_the_state_when_it_was_handed_over(tmp_path, monkeypat
 def test_a_full_disk_is_one_line_naming_the_file(tmp_path, monkeypatch, pictures):
     message = failed_write(tmp_path, monkeypatch, full_disk(tmp_path / files.CSV_NAME))
     assert message == (
-        f"could not write {tmp_path / files.CSV_NAME} (No space left on device); free space or choose another "
-        f"--output_dir, then continue with --resume True (the checkpoint of epoch 1 is kept)"
+        f"could not write {tmp_path / files.CSV_NAME} (No space left on device); free space, then continue with "
+        f"--resume True (the checkpoint of epoch 1 is kept), or copy {tmp_path / files.CHECKPOINT_NAME} into another "
+        "--output_dir and resume there"
     )
 
 
@@ -185,7 +187,7 @@ def test_a_failed_write_names_the_checkpoint_that_is_kept(tmp_path, monkeypatch,
     monkeypatch.setattr(files.torch, "save", lambda *args: (_ for _ in ()).throw(full_disk(tmp_path / "x")))
     writer = files.ResultWriter(str(tmp_path))
     writer.submit(checkpoint(5), [row(e) for e in range(1, 6)])
-    with pytest.raises(UserError, match=r"then continue with --resume True \(the checkpoint of epoch 4 is kept\)$"):
+    with pytest.raises(UserError, match=r"then continue with --resume True \(the checkpoint of epoch 4 is kept\), or "):
         writer.wait()
     writer.close()
     assert files.checkpoint_epoch(str(tmp_path)) == 4 and not list(tmp_path.glob("*.tmp*"))
@@ -196,7 +198,7 @@ def test_a_write_error_without_its_cause_is_one_line_too(tmp_path, monkeypatch, 
     error = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 7040 vs 6976\nmore")
     message = failed_write(tmp_path, monkeypatch, error)
     assert message.startswith(f"could not write the files in {tmp_path} (RuntimeError: [enforce fail at inline_")
-    assert "free space or choose another --output_dir" in message and "\n" not in message
+    assert "free space, then continue with --resume True" in message and "\n" not in message
 
 
 def test_a_file_too_large_for_the_file_system_blames_no_ulimit(tmp_path):
@@ -364,3 +366,32 @@ def test_a_restart_with_other_settings_is_refused_in_restart_words(first_start, 
         f"this start is a restart ({count}=3): EPOCHS=8 differs from the checkpoint's 5"
     )
     assert "--resume" not in str(refusal.value)
+
+
+def test_epochs_without_evaluation_leave_the_summary_and_the_picture_whole(tmp_path):
+    """Evaluating every few epochs: the others' acc and test_loss are nan. The last line's best and final accuracy
+    are of the epochs evaluated; without any, it names none. The picture is drawn with gaps."""
+    history = [
+        row(epoch) | ({} if epoch % 2 == 0 else {"acc": float("nan"), "test_loss": float("nan")})
+        for epoch in range(1, 6)
+    ]
+    assert (
+        files.summary_line(history, "out")
+        == "done: 5 epochs; best acc 0.4000 (epoch 4), final acc 0.4000; results in out"
+    )
+    assert files.summary_line(history[:1], "out") == "done: 1 epochs; results in out"
+    files.plot(history, str(tmp_path))
+    assert (tmp_path / files.PLOT_NAME).stat().st_size > 0
+
+
+def test_a_run_of_a_few_steps_in_all_says_so_in_its_first_line():
+    """A global batch that leaves 2 steps in the whole run: one-cycle can neither warm up nor decay."""
+    cfg = read_config(["--dataset=synthetic", "--epochs=2", "--batch_size=512"])
+    info = SimpleNamespace(world_size=2, device=torch.device("cpu"), backend="gloo")
+    record = {"identity": "1,000 train, 200 test images of 32x32", "stretched": None, "loader": "memory"}
+    line = files.describe(torch.nn.Linear(1, 1), cfg, info, {**record, "train_images": 1000}, 1, "fp32")
+    assert "| fp32 | only 2 steps in all, too few for onecycle: lower --batch_size or add epochs |" in line
+    cfg.EPOCHS = 10
+    assert "too few" not in files.describe(
+        torch.nn.Linear(1, 1), cfg, info, {**record, "train_images": 1000}, 1, "fp32"
+    )

@@ -89,6 +89,11 @@ def test_a_finished_run_in_a_new_interpreter_exits_0_and_prints_only_its_lines()
         ("--world_size=-1", "WORLD_SIZE=-1 on the command line is out of range: it must be at least 0"),
         ("--resume", "RESUME=True but there is no"),
         ("--dataset=imagefolder", "DATA_DIR /nowhere does not exist"),
+        (
+            "--init_from=/nowhere/checkpoint.pt",
+            "INIT_FROM /nowhere/checkpoint.pt is no file; give a run's checkpoint.pt",
+        ),
+        (f"--data_dir={ROOT / 'README.md'}", f"DATA_DIR {ROOT / 'README.md'} is a file, not a folder; give a folder"),
     ],
 )
 def test_a_mistake_is_one_line_naming_it_and_exits_2_before_anything_starts(tmp_path, argument, words):
@@ -273,6 +278,36 @@ def test_out_of_gpu_memory_is_that_line_from_the_caching_allocator_and_from_the_
     assert code == 1 and line.endswith(" is free. Process 4242 has 120.00 GiB memory in use); " + how), line
     driver = RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported elsewhere")
     assert failures.outcome(driver) == (1, f"error: rank 0 ran out of GPU memory (CUDA error: out of memory); {how}")
+
+
+def test_a_closed_stdout_does_not_stop_the_run(tmp_path):
+    """`python train_distribute.py ... | head -2`: the reader is gone after the first line and epoch 1's; the run goes
+    on to its end without a word (its files are the record), and exits 0."""
+    fifo, folder = tmp_path / "pipe", tmp_path / "out"
+    os.mkfifo(fifo)
+    run = launch(*TINY, "--epochs=4", f"--output_dir={folder}", stdout_to=str(fifo))
+    with open(fifo) as reader:  # opened once the run opened it for its output
+        head = [reader.readline(), reader.readline()]
+    run.wait(HANG_TIMEOUT)
+    err = Path(run.stderr_path).read_text()
+    assert run.returncode == 0 and lines(err) == [], err
+    assert head[1].startswith("epoch 1/4") and csv_rows(folder) == 4, head
+
+
+def test_a_lost_peer_and_a_collectives_failure_are_said_without_torchs_source_paths(monkeypatch):
+    """gloo and NCCL put the place in torch's C++ sources first; our lines leave it out."""
+    monkeypatch.delenv(failures.LAUNCHER_PID, raising=False)
+    where = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] "
+    code, line = failures.outcome(RuntimeError(f"{where}Read error [127.0.0.1]:40002: Connection reset by peer"))
+    assert (code, line) == (
+        1,
+        f"[rank 0] stopped: another rank failed or was stopped (its connection closed); {failures.KEPT}",
+    )
+    timeout = RuntimeError(f"{where}Timed out waiting 600000ms for recv operation to complete\nmore")
+    assert failures.outcome(timeout) == (
+        1,
+        "error: rank 0 failed with RuntimeError: Timed out waiting 600000ms for recv operation to complete",
+    )
 
 
 def ranks_left_after_a_while(ranks: list[int]) -> list[int]:

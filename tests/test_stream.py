@@ -305,6 +305,25 @@ def test_in_memory_a_folder_with_too_many_unreadable_files_stops_every_rank_befo
     ]
 
 
+def test_a_class_whose_every_training_image_is_unreadable_is_refused_as_an_empty_class_is(tiny_stream, tmp_path):
+    """Under a tenth of the folder, but all of one class's training images: the run would train without that class."""
+    images, folder = tmp_path / "images", tmp_path / "out"
+    shutil.copytree(data_dir(tiny_stream), images)
+    (images / "train" / "c").mkdir()
+    (images / "test" / "c").mkdir()
+    shutil.copy(images / "test" / "a" / "0000.png", images / "test" / "c" / "0000.png")
+    for n in range(3):
+        (images / "train" / "c" / f"{n}.png").write_bytes(b"not an image")
+    result = launch(*tiny_stream, f"--data_dir={images}", f"--output_dir={folder}")
+    out, err = result.communicate(timeout=HANG_TIMEOUT)
+    assert result.returncode == 2 and out == "" and csv_rows(folder) == 0, err
+    named = ", ".join(str(images / "train" / "c" / f"{n}.png") for n in range(3))
+    assert lines(err) == [
+        f"error: no image in {images / 'train' / 'c'} can be read (3 of 303 images cannot be read: {named}); put back "
+        "good copies and resume; it stopped before any epoch finished; nothing to resume: start the run again"
+    ]
+
+
 def test_a_file_that_turns_unreadable_mid_run_is_left_out_and_named_and_the_run_goes_on(tiny_stream, tmp_path):
     """Streamed: a training image and a test image cut short (their headers whole) once the run has trained an epoch:
     every pass that meets one leaves it out and says so in a line naming it, the test accuracy over the images it

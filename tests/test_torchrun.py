@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -110,13 +111,15 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_the_run_resumes_exactly(re
 def test_a_mistake_under_torchrun_is_one_line_per_attempt(tmp_path, mistake, restarts, words):
     """A mistake found before the workers meet (a setting) or by every rank once they have (nothing to resume):
     local rank 0 prints the line; torchrun restarts its workers as after any failure, and each attempt fails alike,
-    in the same line."""
+    in the same line. torchrun's summary names it as the root cause."""
     out = tmp_path / "out"
     run = start_torchrun(*standalone(*ARGS, mistake, f"--output_dir={out}", restarts=restarts), env=ENV)
     log = run.communicate(timeout=HANG_TIMEOUT)[0]
     assert run.returncode == 1, log  # torchrun's own code for a failed worker
     assert len(errors(log)) == restarts + 1 and all(line.startswith(f"error: {words}") for line in errors(log)), log
     assert csv_rows(out) == 0 and "epoch 1/" not in log
+    root_cause = log.split("Root Cause (first observed failure):")[1]  # torchrun's summary, from the error file
+    assert f"traceback : error: {words}" in root_cause, log
 
 
 def workers(torchrun: int, count: int = 2) -> list[int]:
@@ -135,17 +138,17 @@ def parent(pid: int) -> int:
         return 0
 
 
-def node(n: int, port: int, out: Path, *args: str, restarts: int = 0):
+def node(n: int, port: int, out: Path, *args: str, restarts: int = 0, address: str = ""):
     """torchrun as machine `n` of two, one worker each, on a core of its own and with its own OUTPUT_DIR (out/n), as
     README's multi-machine command has it. Each has an address of its own, as machines do: the rendezvous gives
-    global rank 0 to the machine whose address sorts first, machine 0, at every start."""
+    global rank 0 to the machine whose address sorts first, machine 0, at every start (unless `address` says else)."""
     return start_torchrun(
         "--nnodes=2",
         "--nproc_per_node=1",
         f"--max-restarts={restarts}",
         "--rdzv_backend=c10d",
         f"--rdzv_endpoint=127.0.0.1:{port}",
-        f"--local_addr=127.0.0.{n + 1}",  # what each tells the other (else this machine's name, for both)
+        f"--local_addr={address or f'127.0.0.{n + 1}'}",  # what each tells the other (else this machine's name)
         "--rdzv_id=two-nodes",
         # a stopped machine leaves the rendezvous after 3 missed heartbeats, 1 s apart here (5 s by default; 2.4 has 5)
         "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3",
@@ -158,9 +161,9 @@ def node(n: int, port: int, out: Path, *args: str, restarts: int = 0):
     )
 
 
-def endpoint_node(port: int, out: Path, *args: str, restarts: int = 0):
+def endpoint_node(port: int, out: Path, *args: str, restarts: int = 0, n: int = 0, address: str = ""):
     """Machine 0, started first and waited for until it listens: the endpoint's machine, which hosts the rendezvous."""
-    first = node(0, port, out, *args, restarts=restarts)
+    first = node(n, port, out, *args, restarts=restarts, address=address)
     deadline = time.monotonic() + HANG_TIMEOUT
     while not listening(port):
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()
@@ -226,7 +229,8 @@ def test_a_stopped_node_without_restarts_ends_both_with_the_kept_epoch_and_resum
     logs = [n.communicate(timeout=90)[0] for n in nodes]
     kept = max(checkpoint_epoch(tmp_path / str(n)) for n in (0, 1) if csv_rows(tmp_path / str(n)))
     for n, log in enumerate(logs):
-        ours = [line for line in log.splitlines() if "--resume True" in line]
+        ours = [line for line in log.splitlines() if "--resume True" in line and "traceback :" not in line]
+        assert "Root Cause" not in log or f"traceback : {ours[0]}" in log.split("Root Cause")[1], log  # as the summary
         assert len(ours) == 1 and "continue with the same command on every node and --resume True" in ours[0], log
         epoch = int(re.search(r"are from epoch (\d+);", ours[0]).group(1))
         here = csv_rows(tmp_path / str(n)) > 0  # global rank 0's machine names its own files
@@ -237,6 +241,31 @@ def test_a_stopped_node_without_restarts_ends_both_with_the_kept_epoch_and_resum
     assert epochs_printed(*logs, *more) == list(range(1, 6)), [*logs, *more]
     final = max((tmp_path / str(n) for n in (0, 1)), key=csv_rows)
     assert pd.read_csv(final / "pytorch_res.csv")["epoch"].tolist() == list(range(1, 6))
+
+
+def test_machines_with_disks_of_their_own_resume_when_the_other_one_becomes_global_rank_0(tmp_path):
+    """Each machine its own OUTPUT_DIR (node-local disks). Stopped after epoch 2 (no restarts: SIGTERM to one ends
+    both), both started again with --resume True where the rendezvous makes the other machine global rank 0 (their
+    addresses swapped): it goes on from the checkpoint in machine 0's folder, says so, and writes from then on; every
+    epoch runs once, and the CSV in its folder holds them all."""
+    port, epochs = free_port(), "--epochs=4"
+    nodes = [endpoint_node(port, tmp_path, epochs), node(1, port, tmp_path, epochs)]
+    wait_for_rows_of_two_epochs(tmp_path, *nodes)
+    os.kill(nodes[1].pid, signal.SIGTERM)
+    logs = [n.communicate(timeout=90)[0] for n in nodes]
+    kept, first, second = checkpoint_epoch(tmp_path / "0"), tmp_path / "0", tmp_path / "1"
+    assert kept >= 2 and not (second / "checkpoint.pt").exists(), logs
+    swapped = [
+        endpoint_node(port, tmp_path, epochs, "--resume=True", n=1, address="127.0.0.1"),
+        node(0, port, tmp_path, epochs, "--resume=True", address="127.0.0.2"),
+    ]
+    more = [n.communicate(timeout=HANG_TIMEOUT)[0] for n in swapped]
+    assert [n.returncode for n in swapped] == [0, 0], more
+    told = f"resuming after epoch {kept} of 4 with the checkpoint in {socket.gethostname()}:{first}, the newest; "
+    assert told + f"from now on the files go to {second}" in more[0].splitlines(), more
+    assert epochs_printed(*logs, *more) == [1, 2, 3, 4], [*logs, *more]
+    assert pd.read_csv(second / "pytorch_res.csv")["epoch"].tolist() == [1, 2, 3, 4] and checkpoint_epoch(second) == 4
+    assert checkpoint_epoch(first) == kept  # machine 0's folder as it was
 
 
 def test_sigterm_to_torchrun_stops_the_job_instead_of_restarting_it(tmp_path):

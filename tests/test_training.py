@@ -2,12 +2,15 @@
 promise of README's: what a run prints and writes, that it learns, that evaluation and steps do not depend on the
 world size, that a killed or stopped run resumes exactly, and that one run never harms another's files."""
 
+import ast
+import inspect
 import json
 import math
 import os
 import shutil
 import signal
 import subprocess
+import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,19 +40,16 @@ from tests.conftest import (
     width,
 )
 
-COLUMNS = [
-    "epoch",
-    "loss",
-    "acc",
-    "test_loss",
-    "train_acc",
-    "lr",
-    "epoch_seconds",
-    "elapsed_seconds",
-    "images_per_second",
-    "peak_memory_mb",
-    "write_wait_seconds",
-]
+
+def columns_in_the_code() -> list[str]:
+    """The CSV's columns as the code names them: the keys of the row that `train` builds, in order (a column added
+    there is one the tests expect)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(train_distribute.train)))
+    assigned = (node for node in ast.walk(tree) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict))
+    return [key.value for key in next(node.value for node in assigned if node.targets[0].id == "row").keys]
+
+
+COLUMNS = columns_in_the_code()
 CLOCKS = {"epoch_seconds", "elapsed_seconds", "images_per_second", "peak_memory_mb", "write_wait_seconds"}
 NUMBERS = [c for c in COLUMNS if c not in CLOCKS]  # what a run computes: the same however it was interrupted
 REFERENCE = [*TINY, "--epochs=5"]  # the settings of the session's reference_run
@@ -113,7 +113,7 @@ def assert_same_epochs(folder: Path, reference: Path) -> None:
 def test_two_ranks_write_one_row_per_epoch(reference_run):
     out, _, _ = reference_run
     df = pd.read_csv(out / "pytorch_res.csv")
-    assert list(df.columns) == COLUMNS
+    assert list(df.columns) == COLUMNS and COLUMNS[:3] == ["epoch", "loss", "acc"] and CLOCKS < set(COLUMNS)
     assert df["epoch"].tolist() == [1, 2, 3, 4, 5]
     assert (df["lr"] > 0).all() and (df["images_per_second"] > 0).all() and (df["peak_memory_mb"] > 0).all()
     assert df["elapsed_seconds"].is_monotonic_increasing and (df["write_wait_seconds"] >= 0).all()
@@ -136,6 +136,8 @@ def test_only_rank_0_prints_a_first_line_a_line_per_epoch_and_a_done_line(refere
     first, *epochs, done = lines(result.stdout)
     assert first.startswith(f"{model_name()}(") and "2 rank(s) on cpu (gloo)" in first
     assert "| global batch 48, 12 steps per epoch (24 images left out each), 5 epochs |" in first  # 600 = 12 x 48 + 24
+    swapped = not isinstance(train_distribute.make_model(read_config(TINY), 10), ResNet)
+    assert first.endswith(f"try {files.OTHER_NETWORKS}") == swapped, first  # the recipe's flags for another network
     assert [line.split()[:2] for line in epochs] == [["epoch", f"{e}/5"] for e in range(1, 6)]
     acc = pd.read_csv(out / "pytorch_res.csv")["acc"].iloc[-1]
     assert done.startswith("done: 5 epochs;") and f"final acc {acc:.4f}" in done and str(out) in done
@@ -146,7 +148,7 @@ def test_a_picture_of_the_curves_and_a_plain_checkpoint(reference_run):
     png = out / "pytorch_res.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     checkpoint = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)  # tensors and plain values
-    assert set(checkpoint) == {"model", "optimizer", "history", "epoch", "config", "data"}
+    assert set(checkpoint) == {"model", "optimizer", "history", "epoch", "config", "data", "bf16"}
     assert checkpoint["epoch"] == 5 and [row["epoch"] for row in checkpoint["history"]] == [1, 2, 3, 4, 5]
     assert not any(name.startswith(("module.", "_orig_mod.")) for name in checkpoint["model"])
     assert checkpoint["config"]["BATCH_SIZE"] == 48 and "state" in checkpoint["optimizer"]
@@ -355,7 +357,10 @@ def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_nu
     wait_for_marker(tmp_path / "m", run)  # epoch 1 is in the CSV, epoch 2's files are being written
     os.kill(run.pid, signal.SIGTERM)
     assert run.wait(HANG_TIMEOUT) == 75 and checkpoint_epoch(stopped) < 4
-    assert uninterrupted.communicate(timeout=HANG_TIMEOUT) and uninterrupted.returncode == 0
+    first = lines(uninterrupted.communicate(timeout=HANG_TIMEOUT)[0])[0]
+    assert uninterrupted.returncode == 0 and first.endswith(
+        f"| muon's LR was tuned for resnet.py's ResNet: for another network try {files.OTHER_NETWORKS}"
+    ), first  # the network is a Sequential now
     resumed = run_script(*args, f"--output_dir={stopped}", "--resume=True", env=env)
     assert resumed.returncode == 0, resumed.stderr
     assert_same_epochs(stopped, alone)
@@ -411,8 +416,9 @@ def test_a_failed_write_ends_the_run_in_one_line_naming_the_fix_and_the_kept_epo
     result = run_script(*SHORT, f"--output_dir={folder}", env=clean_env(TEST_FAIL_EPOCH="2"))
     assert result.returncode == 2, result.stderr
     assert lines(result.stderr) == [
-        f"error: could not write {folder}/checkpoint.pt (No space left on device); free space or choose another "
-        f"--output_dir, then continue with --resume True (the checkpoint of epoch 1 is kept)"
+        f"error: could not write {folder}/checkpoint.pt (No space left on device); free space, then continue with "
+        f"--resume True (the checkpoint of epoch 1 is kept), or copy {folder}/checkpoint.pt into another --output_dir "
+        "and resume there"
     ]
     assert checkpoint_epoch(folder) == 1 and csv_rows(folder) == 1 and (folder / "pytorch_res.png").exists()
 
