@@ -43,7 +43,7 @@ class Classifier:
             other = f"{path} holds another network than make_model builds ({differs})"
             raise UserError(f"{other}; use the code that made it")
         self.model.load_state_dict(saved["model"])
-        self.model.to(self.device, memory_format=torch.channels_last).eval().requires_grad_(False)  # no gradients
+        self.model.to(self.device).eval().requires_grad_(False)  # no gradients; the input channels_last, as the run
         loader = data.Loader(False, saved["data"]["mean"], saved["data"]["std"], self.device, torch.channels_last)
         self.module = Evaluation(self.model, loader, cfg.TTA).eval()  # what predict.py computes, as a module to ship
 
