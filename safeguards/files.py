@@ -88,13 +88,12 @@ def write_failure(error: Exception, output_dir: str) -> str:
     reason = error.strerror if isinstance(error, OSError) else f"{type(error).__name__}: {first_line(error, 100)}"
     if shutil.disk_usage(output_dir).free < 2**26:  # torch.save reports a full disk without its cause
         reason = "No space left on device"
+    failed = f"could not write {where} ({reason})"
     if not (kept := checkpoint_epoch(output_dir)):
-        return (
-            f"could not write {where} ({reason}); free space or choose another --output_dir, then start the run again"
-        )
+        return f"{failed}; free space or choose another --output_dir, then start the run again"
     then = f"continue with --resume True (the checkpoint of epoch {kept} is kept)"
     elsewhere = f"or copy {os.path.join(output_dir, CHECKPOINT_NAME)} into another --output_dir and resume there"
-    return f"could not write {where} ({reason}); free space, then {then}, {elsewhere}"
+    return f"{failed}; free space, then {then}, {elsewhere}"
 
 
 def write_atomically(path: str, write: Callable[[str], None]) -> None:
