@@ -12,7 +12,7 @@ import sys
 import threading
 import warnings
 from contextlib import nullcontext
-from functools import cache, partial
+from functools import cache, partial, reduce
 from multiprocessing import forkserver, resource_tracker
 from types import SimpleNamespace
 from typing import Any
@@ -56,13 +56,9 @@ def prepare(cfg: SimpleNamespace) -> None:
         os.makedirs(cfg.DATA_DIR, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create DATA_DIR {cfg.DATA_DIR} ({e.strerror}); point --data_dir elsewhere") from None
-    writable, previous = os.access(cfg.DATA_DIR, os.W_OK), socket.getdefaulttimeout()  # read-only: no lock, none needed
-    socket.setdefaulttimeout(60)  # torchvision's download sets no timeout of its own
-    try:
-        with filelock.FileLock(os.path.join(cfg.DATA_DIR, ".cifar10.lock")) if writable else nullcontext():
-            _cifar10(cfg.DATA_DIR, train=True, download=True)
-    finally:
-        socket.setdefaulttimeout(previous)
+    writable = os.access(cfg.DATA_DIR, os.W_OK)  # read-only: no lock, none needed
+    with filelock.FileLock(os.path.join(cfg.DATA_DIR, ".cifar10.lock")) if writable else nullcontext():
+        _cifar10(cfg.DATA_DIR, train=True, download=True)
 
 
 def _cifar10(data_dir: str, train: bool, download: bool = False) -> Any:
@@ -73,6 +69,7 @@ def _cifar10(data_dir: str, train: bool, download: bool = False) -> Any:
     except RuntimeError:  # not there, or corrupt
         if not download:
             raise UserError(f"CIFAR-10 is missing or corrupt in {data_dir}; delete it there and rerun") from None
+    socket.setdefaulttimeout(60)  # torchvision's download sets none (the process's default: no other socket uses it)
     try:
         return CIFAR10(data_dir, train=train, download=True)
     except Exception as e:
@@ -280,6 +277,9 @@ class Loader:
         self.augment, self.device, self.memory_format = augment, device, memory_format
         self.mean, self.std = (torch.tensor(m, device=device).view(1, 3, 1, 1) * 255 for m in (mean, std))
 
+    def __len__(self) -> int:
+        return len(self.labels)  # the split's images
+
     def steps_per_epoch(self, global_batch: int) -> int:
         """Full batches only: a last partial batch is dropped on every rank, every epoch."""
         return len(self) // global_batch
@@ -302,9 +302,6 @@ class MemoryLoader(Loader):
         super().__init__(*args, **options)
         self.pixels, self.labels = (tensor.to(self.device) for tensor in split)  # (images, labels)
 
-    def __len__(self) -> int:
-        return len(self.labels)
-
     def train_batches(self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int) -> Any:
         local_batch, generator = global_batch // world_size, self.augmentation(seed, epoch, rank)
         indices = shard_indices(len(self), world_size, rank, seed, epoch).to(self.device)  # DDP: this rank's shard
@@ -324,24 +321,20 @@ class StreamLoader(Loader):
 
     def __init__(self, files: ImageFiles, *args: Any, workers: int, **options: Any) -> None:
         super().__init__(*args, **options)
-        self.files, self.workers, self.pin, self.readers = files, workers, self.device.type == "cuda", {}
-
-    def __len__(self) -> int:
-        return len(self.files)
+        self.files, self.labels, self.readers = files, files.labels, {}
+        self.reader = partial(reader, files, workers=workers, pin=self.device.type == "cuda")  # pinned: copied async
 
     def train_batches(self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int) -> Any:
         if "train" not in self.readers:  # DDP: each rank's shard of one shuffle; drop_last: every rank as many steps
             sampler = DistributedSampler(self.files, world_size, rank, shuffle=True, seed=seed, drop_last=True)
-            self.readers["train"] = reader(
-                self.files, global_batch // world_size, sampler, self.workers, self.pin, drop_last=True
-            )
+            self.readers["train"] = self.reader(global_batch // world_size, sampler, drop_last=True)
         self.readers["train"].sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same on every rank
         yield from self._batches(self.readers["train"], self.augmentation(seed, epoch, rank))
 
     def eval_batches(self, world_size: int, rank: int) -> Any:
         if "test" not in self.readers:  # no image padded in or left out
             part = torch.tensor_split(torch.arange(len(self)), world_size)[rank].tolist()
-            self.readers["test"] = reader(self.files, EVAL_BATCH // 2, part, self.workers, self.pin)
+            self.readers["test"] = self.reader(EVAL_BATCH // 2, part)
         yield from self._batches(self.readers["test"], None)
 
     def _batches(self, batches: DataLoader, generator: torch.Generator | None) -> Any:
@@ -358,17 +351,13 @@ class StreamLoader(Loader):
 
 
 def seed_for(*parts: int) -> int:
-    """One 63-bit seed from several integers (SEED, epoch, rank)."""
-    value = 0
-    for part in parts:
-        value = (value * 1_000_003 + part + 1) % (2**63)
-    return value
+    """One 63-bit seed from several integers (SEED, epoch, rank): each one a digit of a number in base 1,000,003."""
+    return reduce(lambda value, part: (value * 1_000_003 + part + 1) % 2**63, parts, 0)
 
 
 def shard_indices(n: int, world_size: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
-    """This rank's shard of the epoch: every rank draws the same permutation (from seed and epoch) and takes every
-    world_size-th entry, so that step s of all ranks together uses the same global batch at any world size. The
-    last n % world_size entries of the permutation sit out the epoch."""
+    """This rank's shard of the epoch: all ranks draw one permutation (from seed and epoch), each takes every
+    world_size-th entry (the last n % world_size sit out): step s uses the same global batch at any world size."""
     permutation = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))  # StreamLoader's sampler's
     return permutation[rank : n - n % world_size : world_size]
 

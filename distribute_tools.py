@@ -67,8 +67,7 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
     torchrun's engine: ChildFailedError when a rank fails (the others stopped), SignalException when we are stopped."""
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex, max_restarts=0)
     config.rdzv_backend, config.rdzv_endpoint = "c10d", "localhost:0"  # a standalone rendezvous on a free port
-    # 127.0.0.1: else the agent hands the ranks this machine's full hostname, which may not resolve
-    config.local_addr = "127.0.0.1"
+    config.local_addr = "127.0.0.1"  # else the agent hands the ranks this machine's hostname, which may not resolve
     config.monitor_interval = 0.1  # seconds between the agent's looks at the ranks: a failure stops the others at once
     config.start_method = "fork"  # a function entrypoint only: forked from this process, which imported torch already
     os.environ[failures.LAUNCHER_PID] = str(os.getpid())  # ranks report to us, and leave if we are gone

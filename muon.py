@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# The quintic Newton-Schulz iteration's coefficients, chosen (by Muon's authors) to push every singular value of a
-# matrix scaled to norm 1 towards 1 in five steps.
+# Muon's authors' coefficients of the quintic Newton-Schulz step: they take singular values in (0, 1] to about 1
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
 STEPS = 5
 BF16_FROM = 128  # bf16 products pay off from this short side on; below it fp32 is faster (a CPU with AMX, 1 core)
@@ -113,9 +112,8 @@ class FilterBanks:
         self.flat.zero_() if self.world_size > 1 else None  # other ranks' shares: zero here
         outputs, results = [], []
         for banks, padded in zip(self.batches, self.padded, strict=True):
-            torch._foreach_copy_(
-                [self.as_update(padded[j], i) for j, i in enumerate(banks)], [updates[i] for i in banks]
-            )
+            corners = [self.as_update(padded[j], i) for j, i in enumerate(banks)]
+            torch._foreach_copy_(corners, [updates[i] for i in banks])
             out = newton_schulz(padded)
             outputs += [self.as_update(out[j], i) for j, i in enumerate(banks)]
             results += [self.results[i] for i in banks]

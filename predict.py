@@ -23,9 +23,8 @@ from safeguards.failures import UserError, first_line
 
 
 class Classifier:
-    """A run's network (make_model with the checkpoint's settings) and weights, its preprocessing (IMAGE_SIZE, the
-    stretch, the normalisation, TTA), class names and precision, all read from its checkpoint; on a GPU when there is
-    one. It computes as the run's evaluation did: in bf16 autocast if that did, in its memory layout."""
+    """A run's network (make_model with the checkpoint's settings), weights, preprocessing (IMAGE_SIZE, the stretch,
+    the normalisation, TTA), class names and precision, from its checkpoint: it computes as the run's evaluation did."""
 
     def __init__(self, path: str, device: str | None = None) -> None:
         try:
@@ -40,8 +39,7 @@ class Classifier:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = train_distribute.make_model(cfg, len(self.classes))
         if differs := start.compare_weights(self.model, saved["model"])[1]:
-            other = f"{path} holds another network than make_model builds ({differs})"
-            raise UserError(f"{other}; use the code that made it")
+            raise UserError(f"{path} holds another network than make_model builds ({differs}); use the code of the run")
         self.model.load_state_dict(saved["model"])
         self.model.to(self.device).eval().requires_grad_(False)  # no gradients; the input channels_last, as the run
         loader = data.Loader(False, saved["data"]["mean"], saved["data"]["std"], self.device, torch.channels_last)

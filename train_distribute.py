@@ -287,7 +287,7 @@ def main(argv: list[str], entrypoint: Callable | str = sys.executable) -> int:
 def launch(argv: list[str], entrypoint: Callable | str) -> None:
     """The launcher: the checks, the start rule on this machine's OUTPUT_DIR, the data made ready once, the ranks."""
     cfg = settings.read_and_check(sys.modules[__name__], argv)
-    kind, cfg = start.decide_here(cfg)  # a resume goes on with the checkpoint's settings
+    kind, _, cfg = start.begin(cfg, start.restarted_by())  # a resume goes on with the checkpoint's settings
     if kind == "finished":  # a resume of a complete run has nothing to do
         return
     data.prepare(cfg)  # download CIFAR-10 once, for every rank

@@ -52,7 +52,7 @@ from distribute_tools import choose_device
 from resnet import ResNet
 from safeguards import failures, files, settings
 from safeguards.failures import UserError
-from safeguards.start import bf16_is_fast
+from safeguards.start import autocast_bf16
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, for the MFU line
@@ -257,7 +257,7 @@ def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format
     torch.backends.cudnn.benchmark = True  # as the project sets it
     model = ResNet(args.width)
     model = model.to(device, memory_format=memory_format)
-    amp = args.amp.lower() in ("true", "1", "yes") and bf16_is_fast(device)  # as the settings read --amp
+    amp = autocast_bf16(device, args.amp.lower() in ("true", "1", "yes"), model, 32)[0]  # as the settings read --amp
     cfg = settings.read(td, [f"--batch_size={args.batch_size}", *optimizer_setting(args)])
     optimizer = muon.make_optimizer(cfg, model, td.peak_lr(cfg), device, amp)
     x = torch.randn(args.batch_size, 3, 32, 32, device=device).contiguous(memory_format=memory_format)
@@ -323,7 +323,8 @@ def main() -> None:
     except UserError as e:
         sys.exit(f"error: {e}")
     device, backend = choose_device(0, 1, gpu_count())
-    name, bf16_fast = gpu_facts() if device.type == "cuda" else (f"{cpu_kind()}, {cores()} cores", bf16_is_fast(device))
+    kind = cpu_kind()
+    name, bf16_fast = gpu_facts() if device.type == "cuda" else (f"{kind}, {cores()} cores", "_bf16" in kind)
     compiled = args.compiled == "yes" or (args.compiled == "auto" and device.type == "cuda")
     print(
         f"machine: {name} | torch {torch.__version__} | {world_size} rank(s), {backend} | width {args.width}, "

@@ -1,7 +1,7 @@
 """How a run ends: stop signals, and the one place (`outcome`) that turns a failure into its line and exit code (0
-finished, 2 a mistake, 75 stopped, resumable, 130 Ctrl-C, 1 a failure). A rank writes its line into torch's error
-file: our launcher prints it for the run; under torchrun the rank prints it too, and torchrun's summary names it."""
+finished, 2 a mistake, 75 stopped, resumable, 130 Ctrl-C, 1 a failure); `_say` says where the line goes."""
 
+import contextlib
 import ctypes
 import datetime
 import io
@@ -58,8 +58,7 @@ def kept_files(line: str = KEPT) -> str:
 
 def handle_stop_signals() -> None:
     """From here on the first stop signal raises Stopped (a later one changes nothing: the files are being finished);
-    once the rank is ending, or while a lost peer's error unwinds (the peer's signal reached this rank too), it is only
-    noted. A signal held back until now (hold_stop_signals_for_ranks) arrives here."""
+    once the rank is ending, or while a lost peer's error unwinds (its signal reached this rank too), it is noted."""
 
     def on_signal(signum: int, frame: object) -> None:
         if not _received:
@@ -116,11 +115,9 @@ def stop_ranks(signum: int) -> None:
     hung machine) goes on, to take it; one still starting (importing torch, the signals held back) ends now."""
     children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")  # the ranks (Linux)
     for rank in children.read_text().split() if children.exists() else []:
-        try:
+        with contextlib.suppress(OSError, IndexError):  # gone meanwhile
             held = int(Path(f"/proc/{rank}/status").read_text().split("SigBlk:")[1].split()[0], 16) >> (signum - 1) & 1
             os.kill(int(rank), signal.SIGKILL if held else signal.SIGCONT)
-        except (OSError, IndexError):  # gone meanwhile
-            pass
 
 
 def guard_parent(launcher: str | None) -> None:
@@ -192,11 +189,10 @@ class _Stdout(io.TextIOWrapper):
 
 
 def survive_closed_stdout() -> None:
-    """A reader that is gone (`python train_distribute.py | head -2`) must not stop the run: the files are its record.
-    UTF-8 whatever the locale (paths, class names)."""
+    """A reader that is gone (`python train_distribute.py | head -2`) must not stop a run: the files are its record."""
     sys.stdout.flush()
     raw = open(sys.stdout.fileno(), "wb", buffering=0, closefd=False)
-    sys.stdout = _Stdout(raw, encoding="utf-8", write_through=True)
+    sys.stdout = _Stdout(raw, encoding="utf-8", write_through=True)  # UTF-8 whatever the locale (paths, class names)
 
 
 def run_rank(body: Callable[[], None]) -> int:
@@ -209,7 +205,6 @@ def run_rank(body: Callable[[], None]) -> int:
         handle_stop_signals()  # a stop held back while this rank started arrives here
         body()
         if _groups_kept and multiprocessing.parent_process() is None:  # a forked rank's end is an os._exit anyway
-            sys.stdout.flush()
             os._exit(0)  # the kept group is never freed
         return 0
     except BaseException as error:  # every way out of a rank becomes its line and code
@@ -276,7 +271,6 @@ def outcome(error: BaseException) -> tuple[int, str]:
 def _say(code: int, line: str) -> None:
     """Under our launcher the line goes to the launcher, which prints the run's; under torchrun each machine's local
     rank 0 prints a stop or a mistake, every rank a failure (torchrun restarts a mistake: it fails again, alike)."""
-    sys.stdout.flush()
     said = line if os.environ.get(LAUNCHER_PID) else kept_files(line)  # this rank's writer is closed: files whole
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # the agent's report names it as the root cause (as @record does)
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:

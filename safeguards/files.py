@@ -27,22 +27,19 @@ OTHER_NETWORKS = "--optimizer adam --lr 1e-3"  # the recipe's flags for a networ
 
 
 class ResultWriter:
-    """Writes each epoch's checkpoint, CSV and picture on a background thread, in that order. At most one epoch is
-    pending: wait() blocks until the previous epoch's files are on disk, so a kill -9 loses at most the epoch in
-    flight. close() finishes everything, however the run ends."""
+    """Writes each epoch's checkpoint, CSV and picture on a background thread, in that order. At most one is pending:
+    wait() blocks until the previous epoch's files are on disk, so a kill -9 loses at most the epoch in flight."""
 
     def __init__(self, output_dir: str, tensorboard: bool = False, first_epoch: int = 1) -> None:
         self.output_dir = output_dir
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
         self.pending: Future | None = None
         self.saved: list[dict] = []  # the rows whose checkpoint and CSV are on disk
-        self.plotted, self.next_plot = 0, 0.0
-        self.events = None
+        self.plotted, self.next_plot, self.events = 0, 0.0, None
         if tensorboard:  # the package is needed only then (settings.check)
             from torch.utils.tensorboard import SummaryWriter
 
-            # a resumed run's events go on from its first epoch; later ones of the run that stopped are hidden
-            self.events = SummaryWriter(output_dir, purge_step=first_epoch)
+            self.events = SummaryWriter(output_dir, purge_step=first_epoch)  # the stopped run's later events: hidden
 
     def wait(self) -> float:
         """Seconds waited for the files handed over last; a failed write is one line naming the file and the fix."""

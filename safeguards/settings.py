@@ -13,10 +13,9 @@ from typing import Any
 import distribute_tools
 from safeguards.failures import UserError
 
-# The settings a resumed run may change: those below this comment in the block (where and how it runs and reports).
-# Every setting above it shapes the run: a resume keeps the checkpoint's.
+# The settings a resumed run may change: those below this comment in the block (a resume keeps the others' values).
 FREE_FROM = "a resumed run may change these"
-FREE_ON_RESUME: set[str] = set()
+FREE_ON_RESUME: set[str] = set()  # filled in by read()
 # Allowed ranges: (lowest, highest), None where open; one the script lacks (WIDTH, after a network swap) is skipped.
 LIMITS = {name: (1, None) for name in "EPOCHS BATCH_SIZE ACCUMULATE SYNTHETIC_SIZE COLLECTIVE_TIMEOUT WIDTH".split()}
 LIMITS |= {"IMAGE_SIZE": (8, None), "NUM_WORKERS": (-1, None), "WARMUP": (0, 1), "LABEL_SMOOTHING": (0, 0.99)}

@@ -1,6 +1,5 @@
 """The start rule, and one run per OUTPUT_DIR: `decide` says whether a start is new, a resume (RESUME=True, or a
-restart by torchrun or SLURM, which resumes by itself) or finished, in the launcher and again in rank 0 for every
-rank. autocast_bf16: bf16 where it is fast (GPUs from Ampere on, CPUs with native bf16), unless oneDNN gets it wrong."""
+restart by torchrun or SLURM, which resumes by itself) or finished. autocast_bf16: bf16 where it is fast and right."""
 
 import glob
 import os
@@ -15,6 +14,7 @@ import filelock
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
 
 from distribute_tools import DistInfo, under_torchrun
 from safeguards import failures, files, settings
@@ -24,10 +24,9 @@ RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # set by
 _held: list[filelock.BaseFileLock] = []  # rank 0's lock on OUTPUT_DIR, held until the process ends
 
 
-def decide(cfg: SimpleNamespace, saved: dict[str, Any] | None, restart: str | None = None) -> tuple[str, Any, list]:
+def decide(cfg: SimpleNamespace, saved: dict[str, Any] | None, restart: str = "") -> tuple[str, Any, list]:
     """'new', 'resume' or 'finished' for the checkpoint a start would continue (None: none) and what makes it a restart
-    (by default restarted_by()), with the settings it goes on with and lines on them (settings.resumed)."""
-    restart = restarted_by() if restart is None else restart
+    (restarted_by()), with the settings it goes on with and lines on them (settings.resumed)."""
     if cfg.RESUME and saved is None:
         raise UserError(f"RESUME=True but there is no checkpoint in {cfg.OUTPUT_DIR}; start a new run without it")
     if not (cfg.RESUME or restart) or saved is None:  # a restart before the run's first checkpoint starts it again
@@ -45,18 +44,12 @@ def restarted_by() -> str:
     return ", ".join(f"{name}={os.environ[name]}" for name in RESTART_COUNTS if os.environ.get(name, "0") != "0")
 
 
-def decide_here(cfg: SimpleNamespace) -> tuple[str, SimpleNamespace]:
-    """In the launcher, before any rank: the decision on OUTPUT_DIR, which must be writable and no other run's, and
-    the settings the run goes on with. From now on a failure's line names the epoch whose files are kept."""
-    kind, _, cfg = _begin(cfg, restarted_by(), None, "", hold=False)
-    return kind, cfg
-
-
 def lock(output_dir: str, wait_s: float) -> filelock.BaseFileLock:
-    """The OS lock that makes this process the only writer of OUTPUT_DIR; the kernel releases it however the process
-    ends. A restart waits a little for its previous attempt's processes to go."""
+    """The OS lock that makes this process the only writer of OUTPUT_DIR (made if need be); the kernel releases it
+    however the process ends. A restart waits a little for its previous attempt's processes to go."""
     held = filelock.FileLock(os.path.join(output_dir, ".lock"))
     try:
+        os.makedirs(output_dir, exist_ok=True)
         held.acquire(timeout=wait_s)
     except filelock.Timeout:
         raise UserError(f"OUTPUT_DIR {output_dir} is in use by another run; wait for it or choose another") from None
@@ -66,7 +59,7 @@ def lock(output_dir: str, wait_s: float) -> filelock.BaseFileLock:
 
 
 def all_ranks_begin(cfg: SimpleNamespace, info: DistInfo) -> tuple[str, dict[str, Any] | None, SimpleNamespace]:
-    """DDP: every rank gets rank 0's decision, checkpoint and settings (_begin). A start is a restart if any rank's is
+    """DDP: every rank gets rank 0's decision, checkpoint and settings (begin). A start is a restart if any rank's is
     one: a machine started again joins. A resume goes on from the newest checkpoint in any rank's OUTPUT_DIR (machines
     with disks of their own, and the rendezvous made another one rank 0): its rank hands it over, rank 0 writes on."""
     everyone: list[Any] = [None] * info.world_size
@@ -79,21 +72,18 @@ def all_ranks_begin(cfg: SimpleNamespace, info: DistInfo) -> tuple[str, dict[str
     if holder and (cfg.RESUME or restart):  # DDP: the checkpoint from the rank that holds it, to every rank
         found = [failures.all_ranks_try(lambda: _read(cfg, restart) if info.rank == holder else None)]
         dist.broadcast_object_list(found, src=holder)
-    shared = [failures.all_ranks_try(lambda: _begin(cfg, restart, found[0], where) if info.is_main else None)]
+    shared = [failures.all_ranks_try(lambda: begin(cfg, restart, found[0], where, hold=True) if info.is_main else None)]
     dist.broadcast_object_list(shared, src=0)  # DDP: rank 0's decision, checkpoint and settings, to every rank
     return shared[0]
 
 
-def _begin(cfg: SimpleNamespace, restart: str, handed: Any, where: str, hold: bool = True) -> tuple[str, Any, Any]:
-    """Rank 0 (and the launcher, which does not `hold` the lock): the decision. A new run moves earlier results aside;
-    a resumed one's lines wait for its checks."""
+def begin(cfg: SimpleNamespace, restart: str, handed: Any = None, where: str = "", hold: bool = False) -> tuple:
+    """The decision on OUTPUT_DIR, which must be writable and no other run's: in the launcher before any rank, and in
+    rank 0 for every rank (which `hold`s its lock). A new run moves earlier results aside; a resumed one's lines wait
+    for its checks. From now on a failure's line names the epoch whose files are kept."""
     kind, cfg, lines = decide(cfg, saved := handed or _read(cfg, restart), restart)
     if kind == "finished":
         return kind, None, cfg
-    try:
-        os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create OUTPUT_DIR {cfg.OUTPUT_DIR} ({e.strerror}); choose another") from None
     held = lock(cfg.OUTPUT_DIR, wait_s=10 if restart else 0)
     _held.append(held) if hold else held.release()
     for name in glob.glob(os.path.join(glob.escape(cfg.OUTPUT_DIR), "*.tmp*")):  # of a run killed in mid-write
@@ -210,36 +200,25 @@ def _read(cfg: SimpleNamespace, restart: str) -> dict[str, Any] | None:
         raise UserError(f"cannot read {path} ({failures.first_line(e, 80)}); put back a good copy or move it") from None
 
 
-def bf16_is_fast(device: torch.device) -> bool:
-    """bf16 autocast pays off on GPUs with bf16 (Ampere on) and on CPUs with native bf16 instructions."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 0)
-    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""  # Linux names CPU features
-    return "avx512_bf16" in cpu or "amx_bf16" in cpu
-
-
 def autocast_bf16(device: torch.device, amp: bool, model: nn.Module, image_size: int) -> tuple[bool, str]:
-    """Whether a run autocasts to bf16 (AMP, where bf16 is fast), and the first line's words for it: fp32 for a
-    network that oneDNN's bf16 kernels get wrong on CPUs (cpu_bf16_faults), with the first such convolution."""
-    bf16 = amp and bf16_is_fast(device)
+    """Whether a run autocasts to bf16 (AMP, where bf16 is fast: GPUs from Ampere on, CPUs with native bf16), and the
+    first line's words for it: fp32 for a network that oneDNN's bf16 kernels get wrong on CPUs (cpu_bf16_faults)."""
+    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""  # Linux names CPU features
+    fast = "avx512_bf16" in cpu or "amx_bf16" in cpu
+    bf16 = amp and (torch.cuda.get_device_capability(device) >= (8, 0) if device.type == "cuda" else fast)
     faults = cpu_bf16_faults(model, image_size) if bf16 and device.type == "cpu" else []
     if faults:
         return False, f"fp32 (oneDNN's bf16 is wrong for {faults[0]} on CPUs: docs/cpu-kinds.md)"
     return bf16, "bf16 autocast" if bf16 else "fp32"
 
 
+@torch.no_grad()
 def cpu_bf16_faults(model: nn.Module, image_size: int) -> list[str]:
     """The strided convolutions with a 1x1 output at this size (mobilenet_v3_small's at 16x16), found by one blank
     forward pass: oneDNN's bf16 weight gradient of those holds memory it never wrote (docs/cpu-kinds.md)."""
-    found: list[str] = []
-    strided = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Conv2d) and max(m.stride) > 1]
-    hooks = [
-        m.register_forward_hook(lambda *io, n=name: found.extend([n] * (io[2].shape[-2:] == (1, 1))))
-        for name, m in strided
-    ]
-    with torch.no_grad():
+    ones: set[nn.Module] = set()  # the modules with a 1x1 output (the hook returns None: the output stays)
+    with register_module_forward_hook(lambda m, _, out: ones.update([m] * (getattr(out, "shape", ())[-2:] == (1, 1)))):
         model.eval()(torch.zeros(2, 3, image_size, image_size))
     model.train()
-    for hook in hooks:
-        hook.remove()
-    return found
+    strided = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Conv2d) and max(m.stride) > 1]
+    return [name for name, m in strided if m in ones]

@@ -330,7 +330,7 @@ RUN = ["--epochs=5", "--output_dir=/runs/a"]
 def test_the_start_rule(first_start, env, resume, saved, kind):
     for name, value in env.items():
         first_start.setenv(name, value)
-    assert start.decide(read_config([*RUN, f"--resume={resume}"]), saved)[0] == kind
+    assert start.decide(read_config([*RUN, f"--resume={resume}"]), saved, start.restarted_by())[0] == kind
 
 
 def test_a_node_whose_ranks_know_no_written_epoch_still_says_the_way_on(monkeypatch):
@@ -361,7 +361,7 @@ def test_resume_with_other_settings_is_refused(first_start):
 def test_a_restart_with_other_settings_is_refused_in_restart_words(first_start, count):
     first_start.setenv(count, "3")
     with pytest.raises(UserError) as refusal:
-        start.decide(read_config(["--epochs=8", "--output_dir=/runs/a"]), saved_by(RUN, 2))
+        start.decide(read_config(["--epochs=8", "--output_dir=/runs/a"]), saved_by(RUN, 2), start.restarted_by())
     assert str(refusal.value).startswith(
         f"this start is a restart ({count}=3): EPOCHS=8 differs from the checkpoint's 5"
     )
