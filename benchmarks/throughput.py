@@ -323,8 +323,8 @@ def main() -> None:
     except UserError as e:
         sys.exit(f"error: {e}")
     device, backend = choose_device(0, 1, gpu_count())
-    kind = cpu_kind()
-    name, bf16_fast = gpu_facts() if device.type == "cuda" else (f"{kind}, {cores()} cores", "_bf16" in kind)
+    fast = autocast_bf16(device, True, torch.nn.Identity(), 8)[0] if device.type == "cpu" else False  # the run's rule
+    name, bf16_fast = gpu_facts() if device.type == "cuda" else (f"{cpu_kind()}, {cores()} cores", fast)
     compiled = args.compiled == "yes" or (args.compiled == "auto" and device.type == "cuda")
     print(
         f"machine: {name} | torch {torch.__version__} | {world_size} rank(s), {backend} | width {args.width}, "

@@ -203,7 +203,7 @@ def _read(cfg: SimpleNamespace, restart: str) -> dict[str, Any] | None:
 def autocast_bf16(device: torch.device, amp: bool, model: nn.Module, image_size: int) -> tuple[bool, str]:
     """Whether a run autocasts to bf16 (AMP, where bf16 is fast: GPUs from Ampere on, CPUs with native bf16), and the
     first line's words for it: fp32 for a network that oneDNN's bf16 kernels get wrong on CPUs (cpu_bf16_faults)."""
-    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""  # Linux names CPU features
+    cpu = open("/proc/cpuinfo").read() if device.type == "cpu" and os.path.exists("/proc/cpuinfo") else ""  # (Linux)
     fast = "avx512_bf16" in cpu or "amx_bf16" in cpu
     bf16 = amp and (torch.cuda.get_device_capability(device) >= (8, 0) if device.type == "cuda" else fast)
     faults = cpu_bf16_faults(model, image_size) if bf16 and device.type == "cpu" else []
