@@ -118,7 +118,7 @@ class FilterBanks:
             outputs += [self.as_update(out[j], i) for j, i in enumerate(banks)]
             results += [self.results[i] for i in banks]
         torch._foreach_copy_(results, outputs) if results else None  # into the filters' layout, as fp32
-        dist.all_reduce(self.flat) if self.world_size > 1 else None
+        dist.all_reduce(self.flat) if self.world_size > 1 else None  # DDP: every rank meets: the shares, summed
         return self.results
 
 

@@ -43,8 +43,8 @@ EPOCHS: int = 30  # passes over the training set
 BATCH_SIZE: int = 512  # global batch: images per optimizer step over all ranks together, split evenly between them
 OPTIMIZER: Literal["sgd", "adam", "muon"] = "muon"  # muon: Muon on the filters, sgd on the rest; adam: the seed's
 LR: float = 0.4  # peak learning rate; sgd, muon: per 512 images (the run uses LR * BATCH_SIZE / 512); adam: as given
-SCHEDULE: Literal["onecycle", "constant"] = "onecycle"  # onecycle: linear warm-up to the peak, then down to 0
-WARMUP: float = 0.2  # onecycle: fraction of all steps spent warming up
+SCHEDULE: Literal["onecycle", "cosine", "constant"] = "onecycle"  # warm-up to the peak, then linear or cosine to 0
+WARMUP: float = 0.2  # onecycle, cosine: fraction of all steps spent warming up (linearly)
 MOMENTUM: float = 0.9  # sgd, muon: Nesterov momentum
 WEIGHT_DECAY: float = 5e-4  # L2 penalty, multiplied by the (batch-scaled) LR each step
 LABEL_SMOOTHING: float = 0.2  # share of each training target spread evenly over all classes (0: plain cross-entropy)
@@ -56,6 +56,7 @@ INIT_FROM: str = ""  # fine-tune: a checkpoint.pt whose tensors of matching name
 DATA_DIR: str = "./data"  # CIFAR-10 is downloaded here; imagefolder reads DATA_DIR/train/<class>/ and test/<class>/
 OUTPUT_DIR: str = "./output"  # CSV, picture and checkpoint; an earlier run's files there move to previous-<time>/
 NUM_WORKERS: int = -1  # image folders: decoding processes per rank; -1: the rank's share of the cores less one, min. 1
+EVAL_EVERY: int = 1  # evaluate every N epochs, and always the last (the CSV's acc and test_loss are NaN between)
 TTA: bool = True  # test-time augmentation: average the logits of each test image and its mirror image
 AMP: bool = True  # bf16 autocast on GPUs and on CPUs with native bf16 (fp32 elsewhere, or when False)
 COMPILE: bool = False  # torch.compile the model: faster steps after a minute or more of compiling
@@ -138,7 +139,8 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     """The epochs: train, evaluate, report; rank 0 hands each epoch's files to a background writer."""
     cfg, info, started = run.cfg, run.info, time.perf_counter()
     # a resumed run: the checkpoint's weights, optimizer state and rows, once its data and network are checked (a
-    # refusal is the run's only line); a new one with INIT_FROM (fine-tuning): that run's weights that fit
+    # refusal is the run's only line); a new one with INIT_FROM (fine-tuning): that run's weights that fit. DDP: with
+    # INIT_FROM every rank meets (one that cannot read it stops them all)
     history = start.restore(checkpoint, run.model, run.optimizer, run.data["identity"], cfg)
     if info.is_main:  # DDP: rank 0 alone prints and writes files
         steps = run.train_data.steps_per_epoch(cfg.BATCH_SIZE)
@@ -150,7 +152,8 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
         for epoch in range(len(history) + 1, cfg.EPOCHS + 1):
             epoch_started = time.perf_counter()
             (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
-            test_loss, acc = evaluate(run)
+            due = epoch % cfg.EVAL_EVERY == 0 or epoch == cfg.EPOCHS  # the last: its acc is the final checkpoint's
+            test_loss, acc = evaluate(run) if due else (math.nan, math.nan)  # DDP: every rank alike
             epoch_seconds = time.perf_counter() - epoch_started
             # DDP: every rank; rank 0 waits for the previous epoch's files (a failed write stops every rank)
             waited = failures.all_ranks_try(writer.wait if writer else None) or 0.0
@@ -172,7 +175,9 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
                 state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "history": history}
                 state |= {"epoch": epoch, "config": vars(cfg), "data": run.data, "bf16": run.bf16}
                 writer.submit(state, history)
-                print(files.epoch_line(row, cfg.EPOCHS), flush=True)
+                shown = f"loss {row['loss']:.4f}  acc {acc:.4f}  test_loss {test_loss:.4f}  lr {lr:.4g}"
+                speed = f"{epoch_seconds:.1f} s  {row['images_per_second']:,.0f} img/s"
+                print(f"epoch {epoch}/{cfg.EPOCHS}  {shown}  {speed}", flush=True)  # the epoch's line
     finally:
         if writer:
             writer.close()  # every completed epoch's files are on disk before this rank leaves
@@ -196,7 +201,8 @@ def lr_at(step: int, total_steps: int, peak: float, schedule: str, warmup: float
     warmup_steps = max(1, round(warmup * total_steps))
     if step < warmup_steps:
         return peak * (step + 1) / warmup_steps
-    return peak * (total_steps - step) / max(1, total_steps - warmup_steps)
+    left = (total_steps - step) / max(1, total_steps - warmup_steps)  # 1 at the peak, 0 after the last step
+    return peak * (left if schedule == "onecycle" else (1 - math.cos(math.pi * left)) / 2)  # cosine: a half wave
 
 
 def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
@@ -241,7 +247,7 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, sums: torc
             sums[0].add_(loss.detach(), alpha=len(y_part))  # in place: a launch each (+= on an element is two)
             sums[1].add_((logits.argmax(dim=1) == y_part).sum())
             sums[2].add_(len(y_part))
-    run.optimizer.step()  # DDP: Muon's step broadcasts each rank's share of the filters' updates
+    run.optimizer.step()  # DDP: Muon's step all-reduces the filters' updates (each rank computes its share)
 
 
 # ----------------------------------------------------------------------------- evaluation

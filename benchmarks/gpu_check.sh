@@ -21,6 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 2 ] || { echo "usage: bash benchmarks/gpu_check.sh ARCHIVE.tar.gz|IMAGEFOLDER RESULTS_DIR [EPOCHS]"; exit 2; }
 export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}  # the interpreter with the packages (tests give their own: a venv need not be active)
 started=$SECONDS BUDGET=${BUDGET:-330} WIDTH=64 BATCH=512 TP="--steps=60 --warmup=10" PROFILE="--steps=20" EPOCHS=${3:-16}
 if [ -n "${DRY_RUN:-}" ]; then
   WIDTH=4 BATCH=32 TP="--steps=2 --warmup=1 --compiled=no" PROFILE="--steps=2 --warmup=1" EPOCHS=${3:-1}
@@ -36,7 +37,7 @@ if [ -z "${DRY_RUN:-}" ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$R/summary.txt" ||
     { echo "error: no GPU here (nvidia-smi failed); DRY_RUN=1 checks the script on the CPU"; exit 1; }
 fi
-note "$(python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)") | $(nproc) cores"
+note "$("$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)") | $(nproc) cores"
 data=$1
 if [ -f "$1" ]; then  # unpacked before any clock starts
   data=$W/data && mkdir -p "$data" && tar -xzf "$1" -C "$data" || { echo "cannot unpack $1"; exit 1; }
@@ -44,7 +45,7 @@ fi
 note "images: $(find "$data/train" -type f | wc -l) train, $(find "$data/test" -type f | wc -l) test in $data"
 
 summary() {  # a run's CSV in one line: epochs, final accuracy, median training images/s after the first epoch
-  python3 - "$1" <<'PY'
+  "$PY" - "$1" <<'PY'
 import os
 import sys
 import pandas as pd
@@ -61,7 +62,7 @@ PY
 for seed in 0 1; do
   echo "== 1. accuracy: $EPOCHS epochs, seed $seed ($(left) s left)"
   out=$W/accuracy-s$seed
-  TIMEFORMAT="real %R s" bash -c "time timeout -k 5 $(cap 100) python3 train_distribute.py --dataset=imagefolder \
+  TIMEFORMAT="real %R s" bash -c "time timeout -k 5 $(cap 100) '$PY' train_distribute.py --dataset=imagefolder \
     --data_dir='$data' --width=$WIDTH --batch_size=$BATCH --world_size=1 --epochs=$EPOCHS --seed=$seed \
     --output_dir='$out'" 2>&1 | tee "$out.log"
   note "accuracy, $EPOCHS epochs, seed $seed: $(grep '^real' "$out.log") (time python train_distribute.py ...); $(summary "$out" 2>&1)"
@@ -70,21 +71,21 @@ done
 
 echo "== 2. throughput ($(left) s left)"
 # shellcheck disable=SC2086  # TP holds several options
-TORCHINDUCTOR_CACHE_DIR=$W/inductor timeout -k 5 "$(cap 100)" python3 -m benchmarks.throughput --world_size=1 \
+TORCHINDUCTOR_CACHE_DIR=$W/inductor timeout -k 5 "$(cap 100)" "$PY" -m benchmarks.throughput --world_size=1 \
   --width="$WIDTH" --batch_size="$BATCH" $TP --results "$R/throughput.json" | tee "$W/throughput.txt"
 note "throughput: exit ${PIPESTATUS[0]} (compiled from a cold cache)"
 grep -E "^(MFU|\((a|b|c))|x \|" "$W/throughput.txt" >> "$R/summary.txt"
 
 echo "== 3. kernels ($(left) s left)"
 # shellcheck disable=SC2086
-timeout -k 5 "$(cap 60)" python3 -m benchmarks.gpu_profile --width="$WIDTH" --batch_size="$BATCH" $PROFILE \
+timeout -k 5 "$(cap 60)" "$PY" -m benchmarks.gpu_profile --width="$WIDTH" --batch_size="$BATCH" $PROFILE \
   --out "$R/kernels.md" >/dev/null
 note "kernels: exit $? (kernels.md)"; cat "$R/kernels.md" >> "$R/summary.txt" 2>/dev/null
 
 [ -z "${DRY_RUN:-}" ] && [ "$(left)" -gt 60 ] && {
   echo "== 4. out of GPU memory in epoch 2 ($(left) s left)"
   out=$W/out-of-memory
-  python3 - "$out" <<'PY' &
+  "$PY" - "$out" <<'PY' &
 import os, sys, time
 import torch
 torch.empty(1, device="cuda")  # this process's own CUDA context first: the taking itself is then at once
@@ -106,12 +107,12 @@ print(f"other process: took {taken:.1f} of {total / 2**30:.1f} GiB once epoch 1'
 time.sleep(120)
 PY
   other=$!
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 5 "$(cap 50)" python3 train_distribute.py --dataset=synthetic \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 5 "$(cap 50)" "$PY" train_distribute.py --dataset=synthetic \
     --synthetic_size=20480 --width="$WIDTH" --batch_size="$BATCH" --world_size=1 --epochs=3 --output_dir="$out" \
     2> "$W/out-of-memory.err"
   code=$?
   kill "$other" 2>/dev/null; wait "$other" 2>/dev/null
-  kept=$(python3 -c "import torch; print(torch.load('$out/checkpoint.pt', weights_only=True)['epoch'])" 2>/dev/null)
+  kept=$("$PY" -c "import torch; print(torch.load('$out/checkpoint.pt', weights_only=True)['epoch'])" 2>/dev/null)
   note "out of memory: exit $code (want 1), $(grep -c . "$W/out-of-memory.err") line(s) on stderr, checkpoint of epoch ${kept:-none} (want 1); last line: $(tail -n 1 "$W/out-of-memory.err")"
   keep
 }

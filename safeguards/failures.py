@@ -247,7 +247,7 @@ def outcome(error: BaseException) -> tuple[int, str]:
             how = f"was killed by {first.signal_name()}" if first.exitcode < 0 else f"exited with {first.exitcode}"
             how += " (the out-of-memory killer sends SIGKILL: see `dmesg`)" if first.exitcode == -9 else ""
             said = first.message if first.message.startswith("error: ") else f"error: rank {rank} {how}"
-            return 1, f"{said}; stopped the other ranks; {KEPT}"
+            return 1, f"{said.removesuffix(f'; {KEPT}')}; stopped the other ranks; {KEPT}"  # a rank's own, or ours
     stop = _received[0] if _received else error.sigval if isinstance(error, SignalException) else None
     stop = signal.SIGINT if isinstance(error, KeyboardInterrupt) else stop
     if stop is not None:
@@ -259,7 +259,7 @@ def outcome(error: BaseException) -> tuple[int, str]:
     if isinstance(error, torch.cuda.OutOfMemoryError) or "CUDA error: out of memory" in str(error):  # or the driver
         said = ". ".join(first_line(error, 400).split(". ")[:4]).rstrip(".")  # torch's words, to who holds the memory
         how = "resume with --accumulate 2 or more, or start anew with a smaller --batch_size"
-        return 1, f"error: rank {rank} ran out of GPU memory ({said}); {how}"
+        return 1, f"error: rank {rank} ran out of GPU memory ({said}); {how}; {KEPT}"
     if lost_peer(error):
         code = EXIT_PEER_LOST if os.environ.get(LAUNCHER_PID) else 1
         return code, f"[rank {rank}] stopped: another rank failed or was stopped (its connection closed); {KEPT}"

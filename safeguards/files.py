@@ -69,9 +69,9 @@ class ResultWriter:
         write_atomically(os.path.join(self.output_dir, CHECKPOINT_NAME), lambda tmp: torch.save(snapshot, tmp))
         write_csv(history, self.output_dir)  # after the checkpoint: the CSV can always be rebuilt from it
         self.saved = history
-        if self.events:  # TensorBoard's curves, beside the CSV
-            for name in ("loss", "acc", "test_loss", "lr", "images_per_second"):
-                self.events.add_scalar(name, history[-1][name], history[-1]["epoch"])
+        if self.events:  # TensorBoard's curves, beside the CSV: every numeric column
+            for name, value in history[-1].items():
+                self.events.add_scalar(name, value, history[-1]["epoch"]) if isinstance(value, float) else None
             self.events.flush()
         if time.monotonic() >= self.next_plot:
             started = time.monotonic()
@@ -173,12 +173,6 @@ def progress(batches: Iterable, steps: int, epoch: int, cfg: Any) -> Iterator:
             said, rate = now, step / (now - started)
             done = f"{step:,} of {steps:,} steps, {rate * cfg.BATCH_SIZE:,.0f} img/s"
             print(f"epoch {epoch}/{cfg.EPOCHS}: {done}, {(steps - step) / rate / 60:.1f} min left", flush=True)
-
-
-def epoch_line(row: dict, epochs: int) -> str:
-    shown = f"loss {row['loss']:.4f}  acc {row['acc']:.4f}  test_loss {row['test_loss']:.4f}  lr {row['lr']:.4g}"
-    speed = f"{row['epoch_seconds']:.1f} s  {row['images_per_second']:,.0f} img/s"
-    return f"epoch {row['epoch']}/{epochs}  {shown}  {speed}"
 
 
 def summary_line(history: list[dict], output_dir: str) -> str:

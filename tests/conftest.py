@@ -28,6 +28,7 @@ import pytest
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the suite exercises the CPU/gloo path, also on a machine with GPUs
 
 import train_distribute  # noqa: E402  (after hiding the GPUs)
+from resnet import ResNet  # noqa: E402
 from safeguards import settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +60,11 @@ def read_config(argv: list[str]) -> SimpleNamespace:
 def model_name() -> str:
     """The class name of what make_model returns: the first word of a run's first line."""
     return type(train_distribute.make_model(read_config(TINY), 10)).__name__
+
+
+# make_model returns the template's ResNet: a test of that network's own premises skips once another is swapped in
+TEMPLATE_NETWORK = isinstance(train_distribute.make_model(read_config(TINY), 10), ResNet)
+TEMPLATE_ONLY = pytest.mark.skipif(not TEMPLATE_NETWORK, reason="a premise of resnet.py's ResNet; make_model swapped")
 
 
 def clean_env(**extra: str) -> dict:
@@ -281,8 +287,15 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL[0]
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """The tests that need a scenario run last (a stable sort): their scenarios run while all the others do."""
+    items.sort(key=lambda item: bool(getattr(getattr(item, "function", None), "scenarios", ())))
+
+
 def pytest_collection_finish(session) -> None:
     for item in session.items:
+        if any(mark.args[:1] == (True,) for mark in item.iter_markers("skipif")):  # skipped: not needed
+            continue
         for function, *args in getattr(getattr(item, "function", None), "scenarios", ()):
             key = (function.__qualname__, *args)
             if key not in BACKGROUND:

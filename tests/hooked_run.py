@@ -11,10 +11,14 @@ environment asks, and ranks forked from the launcher inherit them):
     TEST_PROGRESS_SECONDS=0               an epoch's progress line in a log file this often (a minute otherwise)
     TEST_OUT_OF_MEMORY=2                  rank 0 runs out of GPU memory (torch's error) as epoch 2 begins
     TEST_STREAM=1                         image folders stream from their files, as those too large for memory do
+
+Run as torchrun's script (`torchrun ... tests/hooked_run.py ARGS`, forked from the test server), it is
+train_distribute.py with those hooks.
 """
 
 import errno
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -81,3 +85,7 @@ def install_hooks() -> None:
     train_distribute.make_model = hooked_make_model
     train_distribute.main_worker = hooked_main_worker
     train_distribute.train_epoch = hooked_train_epoch
+
+
+if __name__ == "__main__":  # torchrun's script in a test: train_distribute.py with the hooks the test server installed
+    sys.exit(train_distribute.main(sys.argv[1:]))

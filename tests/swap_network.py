@@ -6,9 +6,9 @@
     python -m tests.swap_network timm.models:resnet18   # any module:callable, called as callable(num_classes=N):
     PYTHONPATH=~/nets python -m tests.swap_network mynet:Net   # your own class, on PYTHONPATH or in the project
 
-The copy gets exactly the edit README names: `make_model` returns the other network, WIDTH is deleted
-from the settings block, and tests/test_resnet.py (the ResNet's own tests) is deleted. Nothing else
-changes, so every failure there is a promise of "swap the network in one place" that does not hold. The copy is
+The copy gets exactly the edit README names: `make_model` returns the other network and WIDTH is deleted from the
+settings block (the ResNet's own tests, tests/test_resnet.py, then skip). Nothing else changes, so every failure
+there is a promise of "swap the network in one place" that does not hold. The copy is
 of the project's folder as it is (a git checkout or not), without hidden folders, caches, data or results.
 """
 
@@ -85,7 +85,6 @@ def swapped_copy(folder: Path, network: str) -> Path:
     if (models, settings) != (1, 1):
         refuse(f"could not make the swap in {script}: make_model or WIDTH not found")
     script.write_text(source)
-    (folder / "tests" / "test_resnet.py").unlink()
     return folder
 
 

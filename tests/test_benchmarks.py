@@ -4,13 +4,16 @@ far as CUDA's first initialisation, and a dry run of every step at small sizes."
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import distribute_tools
 from benchmarks import throughput
-from tests.conftest import HANG_TIMEOUT, ROOT, SETTINGS, clean_env, image_folder_of_noise
+from tests.conftest import HANG_TIMEOUT, ROOT, SETTINGS, clean_env, image_folder_of_noise, needs, scenario
 
 
 class RanksStarted(Exception):
@@ -24,7 +27,8 @@ def test_throughput_initialises_no_cuda_before_it_forks_the_seeds_ranks(monkeypa
     # what nvidia-smi prints on an H200 (answered here: a script written now could not be run while another thread's
     # fork still holds it open, "Text file busy")
     smi = subprocess.CompletedProcess(["nvidia-smi"], 0, "NVIDIA H200, 9.0\n", "")
-    monkeypatch.setattr(throughput.subprocess, "run", lambda command, **options: smi)
+    faked = SimpleNamespace(run=lambda command, **options: smi)  # throughput's own name: other threads keep theirs
+    monkeypatch.setattr(throughput, "subprocess", faked)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
@@ -45,14 +49,22 @@ def test_throughput_initialises_no_cuda_before_it_forks_the_seeds_ranks(monkeypa
     assert events == ["ranks started"]
 
 
+def gpu_check_dry_run() -> tuple[subprocess.CompletedProcess, Path]:
+    """`DRY_RUN=1 bash benchmarks/gpu_check.sh IMAGES RESULTS` with the tests' own interpreter (a venv need not be
+    active), in the background as the session starts (conftest.needs): 40 s of new interpreters."""
+    folder = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    image_folder_of_noise(folder / "images", train=64, test=32, size=32)
+    command = ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(folder / "images"), str(folder / "results")]
+    env = clean_env(DRY_RUN="1", PYTHON=sys.executable, PATH="/usr/bin:/bin")  # no python3 of ours on PATH
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT), folder / "results"
+
+
 @pytest.mark.skipif("WIDTH" not in SETTINGS, reason="the check runs the template ResNet at its own sizes")
-def test_the_gpu_check_runs_every_step_on_the_cpu_and_writes_each_steps_results(tmp_path):
-    folder, results = tmp_path / "images", tmp_path / "results"
-    image_folder_of_noise(folder, train=64, test=32, size=32)
-    command = ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(folder), str(results)]
-    done = subprocess.run(command, env=clean_env(DRY_RUN="1"), capture_output=True, text=True, timeout=HANG_TIMEOUT)
-    summary = (results / "summary.txt").read_text()
+@needs((gpu_check_dry_run,))
+def test_the_gpu_check_runs_every_step_on_the_cpu_and_writes_each_steps_results():
+    done, results = scenario(gpu_check_dry_run)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = (results / "summary.txt").read_text()
     for seed in (0, 1):
         assert f"accuracy, 1 epochs, seed {seed}: real " in summary and "1 epochs, final acc " in summary, summary
     assert "throughput: exit 0" in summary and "kernels: exit 0" in summary, summary

@@ -2,6 +2,7 @@
 over an epoch whose learning rate changes every step, and the eager run's results within rounding."""
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import train_distribute as td
 from safeguards import settings
-from tests.conftest import SETTINGS, call, width
+from tests.conftest import SETTINGS, call, needs, scenario, width
 
 SMALL = ["--dataset=synthetic", "--synthetic_size=320", "--image_size=16", *width(4), "--batch_size=32"]
 
@@ -39,11 +40,20 @@ def two_epochs(out_dir: str, compile: str) -> int:
     return 0
 
 
-@pytest.mark.skipif("WIDTH" not in SETTINGS, reason="sized for the template ResNet")
-def test_a_compiled_run_is_one_graph_never_recompiled_for_a_new_lr_and_trains_as_the_eager_run(tmp_path):
+def eager_and_compiled() -> Path:
+    """Both runs, one after the other, in the background as the session starts (conftest.needs): inductor compiles
+    for 10 s (35 s from a cold cache). Their folder."""
+    folder = Path(tempfile.mkdtemp(prefix="compile-"))
     for compile in ("False", "True"):
-        result = call("tests.test_compile:two_epochs", str(tmp_path), compile, timeout=600)
+        result = call("tests.test_compile:two_epochs", str(folder), compile, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
+    return folder
+
+
+@pytest.mark.skipif("WIDTH" not in SETTINGS, reason="sized for the template ResNet")
+@needs((eager_and_compiled,))
+def test_a_compiled_run_is_one_graph_never_recompiled_for_a_new_lr_and_trains_as_the_eager_run():
+    tmp_path = scenario(eager_and_compiled)
     eager, compiled = (json.loads((tmp_path / f"{c}.json").read_text()) for c in ("False", "True"))
     assert compiled["graphs"].get("unique_graphs") == 1 and compiled["breaks"] == 0, compiled
     # the loss in the network's graph: inlined (torch 2.14), or its module called from it (torch 2.4)

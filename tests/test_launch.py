@@ -275,9 +275,11 @@ def test_out_of_gpu_memory_is_that_line_from_the_caching_allocator_and_from_the_
 
     how = "resume with --accumulate 2 or more, or start anew with a smaller --batch_size"
     code, line = failures.outcome(torch.cuda.OutOfMemoryError(OUT_OF_MEMORY))
-    assert code == 1 and line.endswith(" is free. Process 4242 has 120.00 GiB memory in use); " + how), line
+    kept = f"; {failures.KEPT}"  # filled in where the line is printed (under torchrun too: test_torchrun)
+    assert code == 1 and line.endswith(" is free. Process 4242 has 120.00 GiB memory in use); " + how + kept), line
     driver = RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported elsewhere")
-    assert failures.outcome(driver) == (1, f"error: rank 0 ran out of GPU memory (CUDA error: out of memory); {how}")
+    said = f"error: rank 0 ran out of GPU memory (CUDA error: out of memory); {how}{kept}"
+    assert failures.outcome(driver) == (1, said)
 
 
 def test_a_closed_stdout_does_not_stop_the_run(tmp_path):

@@ -16,7 +16,7 @@ from PIL import Image
 
 import data
 import train_distribute
-from tests.conftest import HANG_TIMEOUT, TINY, image_folder_of_noise, launch, read_config, run_script
+from tests.conftest import HANG_TIMEOUT, TEMPLATE_ONLY, TINY, image_folder_of_noise, launch, read_config, run_script
 
 CLASSES = {"a": "chat noir", "b": "élan"}  # class names with a space and a non-ASCII letter
 
@@ -95,32 +95,54 @@ def test_predict_on_the_runs_own_test_folder_gives_its_final_accuracy(trained):
     assert right == round(final * 60), (right, final)
 
 
-def test_predict_gives_the_runs_classes_and_accuracy_where_bf16_and_fp32_differ(trained, tmp_path):
+@pytest.fixture(scope="module")
+def near_tie_run(trained, tmp_path_factory) -> tuple[str, Path, subprocess.CompletedProcess]:
     """A test folder of near ties: blends of the two classes' images around where the trained network's fp32 class
     changes, evaluated by a run that starts from it (an epoch at a negligible LR: the same weights, BatchNorm's
-    statistics drawn again). predict.py's accuracy is the run's, its classes those of the run's precision; where the
-    run evaluated in bf16 (a CPU with native bf16), fp32 gives other classes on that folder."""
+    statistics drawn again); its checkpoint, the folder and predict.py's answer on it."""
     from predict import Classifier
 
     out, test = trained
-    images = tmp_path / "images"
-    (images / "train").parent.mkdir()
+    tmp = tmp_path_factory.mktemp("near-ties")
+    images = tmp / "images"
+    images.mkdir()
     (images / "train").symlink_to(test.parent / "train")
     near_ties(Classifier(str(out / "checkpoint.pt"), device="cpu"), test, images / "test")
     run = [*TINY, "--dataset=imagefolder", f"--data_dir={images}", "--image_size=16", "--epochs=1", "--num_workers=0"]
-    run += ["--lr=1e-12", "--augment=False", f"--init_from={out / 'checkpoint.pt'}", f"--output_dir={tmp_path / 'out'}"]
+    run += ["--lr=1e-12", "--augment=False", f"--init_from={out / 'checkpoint.pt'}", f"--output_dir={tmp / 'out'}"]
     assert run_script(*run).returncode == 0
-    checkpoint, acc = str(tmp_path / "out" / "checkpoint.pt"), pd.read_csv(tmp_path / "out" / "pytorch_res.csv")["acc"]
-    found = predict(checkpoint, images / "test")
+    checkpoint = str(tmp / "out" / "checkpoint.pt")
+    return checkpoint, images, predict(checkpoint, images / "test")
+
+
+def test_predict_gives_the_runs_classes_and_accuracy_on_near_ties(near_tie_run):
+    """predict.py's accuracy is the run's, its classes those of the run's precision, on images where a rounding
+    difference would change a class."""
+    from predict import Classifier
+
+    checkpoint, _, found = near_tie_run
+    acc = pd.read_csv(Path(checkpoint).parent / "pytorch_res.csv")["acc"]
     count = len(rows(found.stdout))
     assert lines(found.stderr) == [f"accuracy {acc.iloc[-1]:.4f} on {count} images"], (found.stderr, acc)
     classifier = Classifier(checkpoint, device="cpu")
     paths = [row["path"] for row in rows(found.stdout)]
+    assert [classifier.classes[i] for i in classifier(paths).argmax(1)] == [row["class"] for row in rows(found.stdout)]
+
+
+@TEMPLATE_ONLY
+def test_near_ties_are_where_bf16_and_fp32_differ(near_tie_run):
+    """The premise of the test above, for the template's ResNet: where the run evaluated in bf16 (a CPU with native
+    bf16), fp32 gives other classes on that folder (7 of 210 images on a CPU with AMX), so that computing in the run's
+    precision is what makes predict.py's classes the run's."""
+    from predict import Classifier
+
+    checkpoint, _, found = near_tie_run
+    if not torch.load(checkpoint, weights_only=True)["bf16"]:
+        pytest.skip("the run computed in fp32 on this CPU: no other precision to differ from")
+    classifier, paths = Classifier(checkpoint, device="cpu"), [row["path"] for row in rows(found.stdout)]
     in_its_precision = classifier(paths).argmax(1)
-    assert [classifier.classes[i] for i in in_its_precision] == [row["class"] for row in rows(found.stdout)]
     classifier.bf16 = False
-    if torch.load(checkpoint, weights_only=True)["bf16"]:  # 7 of 210 images on a CPU with AMX
-        assert (classifier(paths).argmax(1) != in_its_precision).any()
+    assert (classifier(paths).argmax(1) != in_its_precision).any()
 
 
 def near_ties(classifier, test: Path, folder: Path, pairs: int = 10, steps: int = 21) -> None:

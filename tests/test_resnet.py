@@ -1,5 +1,5 @@
-"""The ResNet itself: the only tests that read its setting (WIDTH) and its layers. A project that
-swaps in another network deletes this file, and the rest of the suite still passes (tests/swap_network.py)."""
+"""The ResNet itself: the only tests that read its setting (WIDTH) and its layers. Once make_model returns another
+network (README's swap, tests/swap_network.py) they skip, and the rest of the suite still passes."""
 
 import pandas as pd
 import pytest
@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from resnet import ResNet
-from tests.conftest import TINY, run_script
+from tests.conftest import TEMPLATE_ONLY, TINY, run_script
+
+pytestmark = TEMPLATE_ONLY
 
 SEED_NETWORK_PARAMETERS = 9_553_674  # the seed's resnet.py, counted with torch
 

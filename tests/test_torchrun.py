@@ -122,6 +122,23 @@ def test_a_mistake_under_torchrun_is_one_line_per_attempt(tmp_path, mistake, res
     assert f"traceback : error: {words}" in root_cause, log
 
 
+def test_out_of_gpu_memory_under_torchrun_names_the_kept_epoch_and_the_way_on(tmp_path):
+    """Rank 0 runs out of GPU memory as epoch 2 begins (TEST_OUT_OF_MEMORY: torch's error): without our launcher, the
+    rank's own line names the epoch whose files are kept, as README promises of the last line after a failure."""
+    out = tmp_path / "out"
+    args = standalone(*ARGS, "--epochs=3", f"--output_dir={out}")
+    args[args.index(str(SCRIPT))] = str(SCRIPT.parent / "tests" / "hooked_run.py")  # the script with the test's hooks
+    run = start_torchrun(*args, env=clean_env(TEST_OUT_OF_MEMORY="2"))
+    log = run.communicate(timeout=HANG_TIMEOUT)[0]
+    assert run.returncode == 1 and checkpoint_epoch(out) == 1, log
+    (line,) = errors(log)
+    assert line.startswith("error: rank 0 ran out of GPU memory (CUDA out of memory. Tried to allocate"), log
+    assert line.endswith(
+        f"smaller --batch_size; the files in {out} are from epoch 1; continue with the same command on every node and "
+        "--resume True (torchrun's restarts and a SLURM requeue do so by themselves)"
+    ), log
+
+
 def workers(torchrun: int, count: int = 2) -> list[int]:
     """torchrun's worker processes (its children), once all `count` have started."""
     deadline = time.monotonic() + HANG_TIMEOUT
