@@ -145,3 +145,23 @@ def test_a_network_the_swap_cannot_find_is_one_line_before_anything_is_copied(na
         [sys.executable, "-m", "tests.swap_network", name], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 2 and result.stdout == "" and result.stderr == f"error: {said}\n"
+
+
+@TEMPLATE_ONLY
+def test_the_readmes_sample_first_line_is_what_its_command_builds_now():
+    """README's sample output: its first line (the network, its parameter count, the data, the steps) is what the
+    command above it builds with this version; only the words on precision may name another CPU kind's."""
+    import torch
+
+    import data
+    import train_distribute
+    from distribute_tools import DistInfo
+    from safeguards import files, settings
+
+    command, first = re.search(r"\$ python train_distribute.py (.*)\n(.*)\n", (ROOT / "README.md").read_text()).groups()
+    cfg = settings.read(train_distribute, command.split())
+    info = DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo")  # the sample's 2 ranks on a CPU
+    train, _, record = data.load(cfg, info, torch.channels_last)
+    model = train_distribute.make_model(cfg, len(record["classes"]))
+    line = files.describe(model, cfg, info, record, train.steps_per_epoch(cfg.BATCH_SIZE), "the precision")
+    assert first.rsplit(" | ", 1)[0] == line.rsplit(" | ", 1)[0]

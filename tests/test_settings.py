@@ -2,6 +2,8 @@
 over the settings, DATASET against DATA_DIR, and the learning-rate schedule. In-process: no ranks."""
 
 import importlib.util
+import itertools
+import math
 import os
 import re
 import typing
@@ -291,10 +293,22 @@ def test_onecycle_warms_up_peaks_and_ends_near_zero():
     assert all(0 < lr <= peak for lr in lrs)
 
 
-def test_onecycle_with_a_few_steps_or_no_warm_up_stays_in_range():
-    for total, warmup in ((1, 0.2), (3, 0.0), (5, 1.0)):
-        lrs = [td.lr_at(step, total, 1.0, "onecycle", warmup) for step in range(total)]
-        assert all(0 < lr <= 1.0 for lr in lrs) and max(lrs) == pytest.approx(1.0), (total, warmup, lrs)
+def test_onecycle_and_cosine_with_a_few_steps_or_no_warm_up_stay_in_range():
+    for schedule, (total, warmup) in itertools.product(("onecycle", "cosine"), ((1, 0.2), (3, 0.0), (5, 1.0))):
+        lrs = [td.lr_at(step, total, 1.0, schedule, warmup) for step in range(total)]
+        assert all(0 < lr <= 1.0 for lr in lrs) and max(lrs) == pytest.approx(1.0), (schedule, total, warmup, lrs)
+
+
+def test_cosine_warms_up_as_onecycle_then_falls_as_half_a_cosine_wave():
+    total, peak = 100, 0.4
+    lrs, onecycle = (
+        [td.lr_at(step, total, peak, s, warmup=0.2) for step in range(total)] for s in ("cosine", "onecycle")
+    )
+    assert lrs[:20] == onecycle[:20] and lrs[19] == pytest.approx(peak)  # the same warm-up to the peak
+    for step in (20, 40, 60, 80, 99):  # then peak x (1 + cos(pi x the share of the decay done)) / 2
+        done = (step - 20) / 80
+        assert lrs[step] == pytest.approx(peak * (1 + math.cos(math.pi * done)) / 2), step
+    assert lrs[60] == pytest.approx(peak / 2) and lrs[40] > onecycle[40] and lrs[80] < onecycle[80]  # not linear
 
 
 def test_the_constant_schedule_is_the_seeds():

@@ -450,10 +450,12 @@ def tensorboard_steps(folder: Path) -> dict[str, list[int]]:
 def test_a_resume_goes_on_with_the_checkpoints_settings_and_extends_and_tensorboard_follows(reference_run, tmp_path):
     """`--output_dir X --resume True --epochs 7` and nothing else: the finished run goes on with the checkpoint's
     settings (TINY's, none the block's) up to epoch 7, the schedule recomputed over 7 epochs, with TensorBoard's
-    curves from then on; `--epochs 8` extends it again, the curves continued; a new run moves every file aside."""
+    curves from then on; `--epochs 8` extends it again, the curves continued; a new run moves every file aside. It
+    evaluates every 4th epoch from then on (EVAL_EVERY, free on resume), and always the last: epoch 6 is not, 7 and 8
+    are, and the last line's final accuracy is the last epoch's."""
     folder = tmp_path / "out"
     shutil.copytree(reference_run[0], folder)
-    extended = run_script(f"--output_dir={folder}", "--resume", "--epochs=7", "--tensorboard=True")
+    extended = run_script(f"--output_dir={folder}", "--resume", "--epochs=7", "--tensorboard=True", "--eval_every=4")
     assert extended.returncode == 0 and extended.stderr == "", extended.stderr
     resuming, taken, how = lines(extended.stdout)[:3]
     assert resuming == "resuming after epoch 5 of 7"
@@ -468,8 +470,12 @@ def test_a_resume_goes_on_with_the_checkpoints_settings_and_extends_and_tensorbo
     steps, peak = 600 // 48, train_distribute.peak_lr(read_config(REFERENCE))  # epoch 6's last step, of 7 epochs'
     assert rows["lr"].iloc[5] == pytest.approx(train_distribute.lr_at(6 * steps - 1, 7 * steps, peak, "onecycle", 0.2))
     assert set(map(tuple, tensorboard_steps(folder).values())) == {(6, 7)}
+    assert rows[["acc", "test_loss"]].iloc[5].isna().all() and rows[["acc", "test_loss"]].iloc[6].notna().all()
+    assert lines(extended.stdout)[-1].startswith(f"done: 7 epochs; best acc {rows['acc'].max():.4f} (epoch ")
+    assert f"final acc {rows['acc'].iloc[6]:.4f}; results in " in lines(extended.stdout)[-1]
     again = run_script(f"--output_dir={folder}", "--resume", "--epochs=8")
     assert again.returncode == 0 and csv_rows(folder) == 8, again.stderr
+    assert pd.read_csv(folder / "pytorch_res.csv")["acc"].notna().tolist() == [True] * 5 + [False, True, True]
     assert tensorboard_steps(folder)["acc"] == [6, 7, 8]  # TENSORBOARD=True is the checkpoint's now
     new = run_script(*TINY, "--epochs=1", f"--output_dir={folder}")
     assert new.returncode == 0, new.stderr
