@@ -2,12 +2,9 @@
 
     python predict.py output/checkpoint.pt photo.png more_photos/ > predictions.csv
 
-Each PATH is an image file, or a folder listed as training lists one (sub-folders too; hidden and ._ files skipped).
-Prints CSV (UTF-8): path,class,probability, one row per image, sorted by path; messages go to stderr, and `accuracy A
-on N images` over the images whose first folder below a PATH names a class (a run's test/, say). In code,
-`Classifier("output/checkpoint.pt")(["photo.png"])` gives images x classes probabilities (`.classes` names the
-columns), and its `.module` does the same from decoded images, to save with torch.export.
-"""
+Each PATH is an image file or a folder, listed as training lists one. CSV on stdout, one row per image; on stderr
+`accuracy A on N images` where a PATH's sub-folders name classes (a run's test/). In code: README, "Use the trained
+model"."""
 
 import csv
 import os
@@ -19,7 +16,7 @@ import torch
 import data
 import train_distribute
 from safeguards import failures, settings, start
-from safeguards.failures import UserError, first_line
+from safeguards.failures import UserError
 
 
 class Classifier:
@@ -27,20 +24,17 @@ class Classifier:
     the normalisation, TTA), class names and precision, from its checkpoint: it computes as the run's evaluation did."""
 
     def __init__(self, path: str, device: str | None = None) -> None:
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # missing, or not a file that torch wrote
-            raise UserError(f"cannot read {path} ({first_line(e, 80)}); give a run's checkpoint.pt") from None
-        if not (isinstance(saved, dict) and {"model", "config", "data"} <= saved.keys()):
-            raise UserError(f"{path} is not a checkpoint of train_distribute.py; give a run's checkpoint.pt")
+        weights, saved = start.read_weights(path)  # the reader INIT_FROM uses
+        if saved is None:  # weights alone: no classes, image size or normalisation
+            raise UserError(f"{path} holds a network's weights alone; predict.py needs a run's checkpoint.pt")
         cfg = SimpleNamespace(**{**vars(settings.read(train_distribute, [])), **saved["config"]})
         self.classes, self.image_size = list(saved["data"]["classes"]), int(saved["data"]["image_size"])
         self.bf16 = bool(saved.get("bf16", False))  # the run's evaluation's precision
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = train_distribute.make_model(cfg, len(self.classes))
-        if differs := start.compare_weights(self.model, saved["model"])[1]:
+        if differs := start.compare_weights(self.model, weights)[1]:
             raise UserError(f"{path} holds another network than make_model builds ({differs}); use the code of the run")
-        self.model.load_state_dict(saved["model"])
+        self.model.load_state_dict(weights)
         self.model.to(self.device).eval().requires_grad_(False)  # no gradients; the input channels_last, as the run
         loader = data.Loader(False, saved["data"]["mean"], saved["data"]["std"], self.device, torch.channels_last)
         self.module = Evaluation(self.model, loader, cfg.TTA).eval()  # what predict.py computes, as a module to ship

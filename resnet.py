@@ -9,11 +9,10 @@ Layout (width w = 64 is the seed's network):
     block  8w -> 8w, stride 1 (identity shortcut)        8x8
     head   global average pool, Linear(8w, num_classes)
 
-Each block is two 3x3 conv + BN with a ReLU between them, plus a 1x1 conv + BN shortcut where the channel count changes.
-The seed returns the plain sum of the two paths; standard ResNets, and this one, apply a ReLU to the sum. The ReLU adds
-no parameters and measurably helps (docs/accuracy.md, "Earlier measurements of the recipe": +3.3 points). No bias in a
-convolution (the BatchNorm after it removes one in training), no count of batches in BatchNorm (read only with
-momentum=None): two GPU kernels a layer fewer. seed=True keeps both, as the seed: 9,553,674 parameters."""
+Each block is two 3x3 conv + BN with a ReLU between them, plus a 1x1 conv + BN shortcut where the channel count changes,
+and a ReLU on the sum (the seed's block returns the plain sum; the ReLU adds no parameters and helps: +3.3 points in
+docs/accuracy.md). No bias in a convolution (the BatchNorm after it removes one in training), no count of batches in
+BatchNorm (read only with momentum=None): two GPU kernels a layer fewer. seed=True keeps both: 9,553,674 parameters."""
 
 import torch
 from torch import nn

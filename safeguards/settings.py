@@ -62,7 +62,7 @@ def read_and_check(script: ModuleType, argv: list[str]) -> SimpleNamespace:
     """The settings once they pass every check that needs no rank: in the launcher, and in each torchrun rank."""
     cfg = check(read(script, argv))
     if cfg.INIT_FROM and not cfg.RESUME and not os.path.isfile(cfg.INIT_FROM):  # a resume has weights of its own
-        raise UserError(f"INIT_FROM {cfg.INIT_FROM} is no file; give a run's checkpoint.pt")
+        raise UserError(f"INIT_FROM {cfg.INIT_FROM} is no file; give a run's checkpoint.pt or a state_dict file")
     return cfg
 
 

@@ -2,7 +2,9 @@
 restart by torchrun or SLURM, which resumes by itself) or finished. autocast_bf16: bf16 where it is fast and right."""
 
 import glob
+import importlib
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -137,14 +139,30 @@ def compare_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) ->
     return fits, ", ".join(f"{len(names)} {what} (first {names[0]})" for names, what in parts if names)
 
 
-def init_from(model: torch.nn.Module, path: str) -> None:
-    """Fine-tuning: the tensors of another run's checkpoint whose names and shapes the network has; the rest (a new
-    head for other classes, say) stay as built. Refused when they hold less than half of the network's parameters."""
+def read_weights(path: str, named: str = "") -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The network's tensors in a run's checkpoint.pt (returned whole too), or in a bare state_dict (keys with DDP's
+    `module.` or torch.compile's `_orig_mod.` prefix too, or under a "state_dict" key) or .safetensors file (with the
+    safetensors package); any other file is one line saying what it holds. `named`: how the line names the file."""
+    fix = "give a run's checkpoint.pt or a state_dict file"
     try:
-        weights = torch.load(path, map_location="cpu", weights_only=True)["model"]
+        safetensors = path.endswith(".safetensors") and importlib.import_module("safetensors.torch")  # timm's weights
+        saved = safetensors.load_file(path) if safetensors else torch.load(path, map_location="cpu", weights_only=True)
+    except ImportError:
+        raise UserError(f"{named}{path} is a .safetensors file: pip install safetensors to read it") from None
     except Exception as e:
-        why = failures.first_line(e, 80)
-        raise UserError(f"cannot read INIT_FROM {path} ({why}); give a run's checkpoint.pt") from None
+        raise UserError(f"cannot read {named}{path} ({failures.first_line(e, 80)}); {fix}") from None
+    checkpoint = saved if isinstance(saved, dict) and {"model", "config", "data"} <= saved.keys() else None
+    weights = saved.get("model", saved.get("state_dict", saved)) if isinstance(saved, dict) else saved
+    if not (isinstance(weights, dict) and weights and all(torch.is_tensor(t) for t in weights.values())):
+        keys = f" with keys {', '.join(map(repr, list(weights)[:3]))}" if isinstance(weights, dict) and weights else ""
+        raise UserError(f"{named}{path} holds a {type(weights).__name__}{keys}, not a network's tensors; {fix}")
+    return {re.sub(r"^(module\.|_orig_mod\.)+", "", name): t for name, t in weights.items()}, checkpoint
+
+
+def init_from(model: torch.nn.Module, path: str) -> None:
+    """Fine-tuning: the tensors of another run's checkpoint, or of a state_dict file, whose names and shapes the
+    network has; the rest (a new head for other classes, say) stay as built. Refused below half of its parameters."""
+    weights = read_weights(path, "INIT_FROM ")[0]
     fits, parameters = compare_weights(model, weights)[0], dict(model.named_parameters())
     left = [name for name in parameters if name not in fits]
     loaded, total = (sum(p.numel() for n, p in parameters.items() if n in names) for names in (fits, parameters))
