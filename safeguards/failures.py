@@ -6,6 +6,7 @@ import ctypes
 import datetime
 import io
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -27,6 +28,7 @@ EXIT_PEER_LOST = 3  # a rank that only lost a peer: the launcher names the rank 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 LAUNCHER_PID = "RESNET_DDP_LAUNCHER_PID"  # set by our launcher for its ranks; absent under torchrun
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo, when a peer is gone
+HEALTHY_COMPILE = ("Profiler record function", "No CUDA runtime is found")  # what torch logs of a healthy compile
 NOTHING_KEPT = "it stopped before any epoch finished; nothing to resume: start the run again"
 KEPT = "<the epoch whose files are kept>"  # a line's placeholder, filled in where it is printed: after the files
 
@@ -195,11 +197,19 @@ def survive_closed_stdout() -> None:
     sys.stdout = _Stdout(raw, encoding="utf-8", write_through=True)  # UTF-8 whatever the locale (paths, class names)
 
 
+def hide_healthy_compile_logs() -> None:
+    """COMPILE=True: torch logs these lines (`logging`, not `warnings`) in a healthy CPU run; nothing else is hidden."""
+    for name in [name for name in logging.root.manager.loggerDict if name.split(".")[0] == "torch"]:
+        for handler in logging.getLogger(name).handlers:  # torch's loggers each have their own
+            handler.addFilter(lambda record: not record.getMessage().startswith(HEALTHY_COMPILE))
+
+
 def run_rank(body: Callable[[], None]) -> int:
     """One rank from its first line to its exit code. After a failure the process ends at once: tearing down a group
     that peers left can hang (NCCL waits for them; gloo deadlocked on torch 2.4), and the system closes it anyway."""
     guard_parent(os.environ.get(LAUNCHER_PID))
     survive_closed_stdout()
+    hide_healthy_compile_logs()
     try:
         watch_stop_signals(end_if_stuck)
         handle_stop_signals()  # a stop held back while this rank started arrives here

@@ -151,6 +151,7 @@ def describe(model: torch.nn.Module, cfg: Any, info: Any, data: dict, steps: int
     batches += f", {steps} steps per epoch" + f" ({left:,} images left out each)" * (left > data["train_images"] / 100)
     ranks = f"{info.world_size} rank(s) on {info.device.type} ({info.backend})"
     run = f"{batches}, {cfg.EPOCHS} epochs | {cfg.OPTIMIZER} | {precision}"
+    run += " | compiled: epoch 1 includes the compile time" if cfg.COMPILE else ""
     if cfg.SCHEDULE == "onecycle" and steps * cfg.EPOCHS < 10:  # one-cycle needs a few steps to rise and fall
         run += f" | only {steps * cfg.EPOCHS} steps in all, too few for onecycle: lower --batch_size or add epochs"
     if not isinstance(model, ResNet) and cfg.OPTIMIZER != "adam":  # Muon's and SGD's LR suit the template's ResNet

@@ -4,7 +4,6 @@ restart by torchrun or SLURM, which resumes by itself) or finished. autocast_bf1
 import glob
 import importlib
 import os
-import re
 import shutil
 import socket
 import tempfile
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from distribute_tools import DistInfo, under_torchrun
 from safeguards import failures, files, settings
@@ -156,7 +156,9 @@ def read_weights(path: str, named: str = "") -> tuple[dict[str, torch.Tensor], d
     if not (isinstance(weights, dict) and weights and all(torch.is_tensor(t) for t in weights.values())):
         keys = f" with keys {', '.join(map(repr, list(weights)[:3]))}" if isinstance(weights, dict) and weights else ""
         raise UserError(f"{named}{path} holds a {type(weights).__name__}{keys}, not a network's tensors; {fix}")
-    return {re.sub(r"^(module\.|_orig_mod\.)+", "", name): t for name, t in weights.items()}, checkpoint
+    for prefix in ("module.", "_orig_mod."):  # DDP's, torch.compile's; the metadata too (BatchNorm reads its version)
+        consume_prefix_in_state_dict_if_present(weights, prefix)
+    return weights, checkpoint
 
 
 def init_from(model: torch.nn.Module, path: str) -> None:

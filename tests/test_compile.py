@@ -2,15 +2,17 @@
 over an epoch whose learning rate changes every step, and the eager run's results within rounding."""
 
 import json
+import logging
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import train_distribute as td
-from safeguards import settings
-from tests.conftest import SETTINGS, call, needs, scenario, width
+from safeguards import failures, settings
+from tests.conftest import SETTINGS, call, needs, run_script, scenario, width
 
 SMALL = ["--dataset=synthetic", "--synthetic_size=320", "--image_size=16", *width(4), "--batch_size=32"]
 
@@ -41,13 +43,46 @@ def two_epochs(out_dir: str, compile: str) -> int:
 
 
 def eager_and_compiled() -> Path:
-    """Both runs, one after the other, in the background as the session starts (conftest.needs): inductor compiles
-    for 10 s (35 s from a cold cache). Their folder."""
+    """Both runs, one after the other, then `python train_distribute.py --compile True` of the same network (its
+    graphs from inductor's cache now), in the background as the session starts (conftest.needs): inductor compiles
+    for 10 s (35 s from a cold cache). Their folder, with the command's output."""
     folder = Path(tempfile.mkdtemp(prefix="compile-"))
     for compile in ("False", "True"):
         result = call("tests.test_compile:two_epochs", str(folder), compile, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
+    command = run_script(*SMALL, "--world_size=1", "--epochs=1", "--compile=True", f"--output_dir={folder / 'run'}")
+    (folder / "run.json").write_text(json.dumps([command.returncode, command.stdout, command.stderr]))
     return folder
+
+
+@pytest.mark.skipif("WIDTH" not in SETTINGS, reason="sized for the template ResNet")
+@needs((eager_and_compiled,))
+def test_a_compiled_run_says_so_and_that_epoch_1_includes_compiling_and_shows_no_log_line_of_a_healthy_compile():
+    """Inductor on the CPU logs two lines in every healthy run (a profiler's record function ignored, no CUDA runtime
+    found): hidden; the first line says that the network is compiled, so that epoch 1's seconds surprise no one."""
+    code, out, err = json.loads((scenario(eager_and_compiled) / "run.json").read_text())
+    assert code == 0 and err == "", err
+    assert out.splitlines()[0].endswith(" | compiled: epoch 1 includes the compile time"), out
+
+
+def log_as_torch(*args: str) -> int:
+    """Called in a forked process (conftest.call): a rank's hiding of those lines, then torch's loggers log them,
+    and a real warning and error, and `warnings` warns."""
+    failures.hide_healthy_compile_logs()
+    logging.getLogger("torch._dynamo.variables.torch").warning("Profiler record function <class 'x'> will be ignored")
+    logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found, using CUDA_HOME='/usr/local'")
+    logging.getLogger("torch._inductor.codecache").warning("a real warning of inductor's")
+    logging.getLogger("torch._dynamo").error("a real error of dynamo's")
+    warnings.warn("a warning through warnings", stacklevel=1)
+    return 0
+
+
+def test_only_those_lines_are_hidden_a_real_warning_or_error_still_shows():
+    result = call("tests.test_compile:log_as_torch")
+    assert result.returncode == 0, result.stderr
+    assert "Profiler record function" not in result.stderr and "No CUDA runtime" not in result.stderr, result.stderr
+    for said in ("a real warning of inductor's", "a real error of dynamo's", "a warning through warnings"):
+        assert said in result.stderr, result.stderr
 
 
 @pytest.mark.skipif("WIDTH" not in SETTINGS, reason="sized for the template ResNet")

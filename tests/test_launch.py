@@ -91,7 +91,7 @@ def test_a_finished_run_in_a_new_interpreter_exits_0_and_prints_only_its_lines()
         ("--dataset=imagefolder", "DATA_DIR /nowhere does not exist"),
         (
             "--init_from=/nowhere/checkpoint.pt",
-            "INIT_FROM /nowhere/checkpoint.pt is no file; give a run's checkpoint.pt",
+            "INIT_FROM /nowhere/checkpoint.pt is no file; give a run's checkpoint.pt or a state_dict file",
         ),
         (f"--data_dir={ROOT / 'README.md'}", f"DATA_DIR {ROOT / 'README.md'} is a file, not a folder; give a folder"),
     ],

@@ -7,6 +7,7 @@ import itertools
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -32,7 +33,8 @@ def predict(*args: object) -> subprocess.CompletedProcess:
 def trained(tmp_path_factory, reference_run) -> tuple[Path, Path]:
     """A run on an image folder of 20x20 images stretched to 16x16 (TTA on, as by default), its classes hard enough
     to tell apart that the ResNet gets some test images wrong: its output folder and its test folder. It fine-tunes
-    the reference run's network (10 classes; here 2): every tensor but the classifier's last layer comes from there.
+    the reference run's network (10 classes; here 2) from its state_dict alone, saved with DDP's prefixes: every
+    tensor but the classifier's last layer comes from there.
     Its test folder also holds what training's listing counts under a class (an image in a nested folder) or leaves
     out (a hidden folder's image, a macOS ._ file, an image beside the class folders)."""
     tmp = tmp_path_factory.mktemp("predict")
@@ -48,7 +50,9 @@ def trained(tmp_path_factory, reference_run) -> tuple[Path, Path]:
     (test / "chat noir" / "._0000.png").write_bytes(b"\x00\x05\x16\x07")
     shutil.copy(test / "chat noir" / "0000.png", test / "beside.png")
     settings = ["--dataset=imagefolder", f"--data_dir={tmp / 'images'}", "--image_size=16", "--epochs=6"]
-    init_from = reference_run[0] / "checkpoint.pt"
+    init_from = tmp / "downloaded weights.pth"  # a bare state_dict, as torchvision publishes, saved from DDP here
+    weights = torch.load(reference_run[0] / "checkpoint.pt", weights_only=True)["model"]
+    torch.save({f"module.{name}": tensor for name, tensor in weights.items()}, init_from)
     result = run_script(*TINY, *settings, "--num_workers=0", f"--init_from={init_from}", f"--output_dir={tmp / 'out'}")
     assert result.returncode == 0, result.stderr
     fine_tuning, first, *_ = lines(result.stdout)
@@ -244,7 +248,7 @@ def test_output_cut_short_by_the_reader_ends_without_a_traceback(trained, tmp_pa
     [
         ("missing checkpoint", "No such file or directory"),
         ("unreadable checkpoint", "cannot read"),
-        ("not our checkpoint", "is not a checkpoint of train_distribute.py"),
+        ("weights alone", "holds a network's weights alone; predict.py needs a run's checkpoint.pt"),
         ("missing path", "does not exist"),
         ("folder without images", "is no image and holds none"),
         ("another network", "holds another network than make_model builds ("),
@@ -258,9 +262,9 @@ def test_bad_input_is_one_line_with_exit_2(trained, tmp_path, problem, words):
     if problem == "unreadable checkpoint":
         checkpoint = tmp_path / "garbage.pt"
         checkpoint.write_bytes(b"garbage")
-    if problem == "not our checkpoint":
+    if problem == "weights alone":
         checkpoint = tmp_path / "other.pt"
-        torch.save({"state_dict": {}}, checkpoint)
+        torch.save(torch.load(out / "checkpoint.pt", weights_only=True)["model"], checkpoint)
     if problem == "another network":  # of the same classes: only the names and shapes of its tensors tell
         checkpoint = tmp_path / "other.pt"
         torch.save(
@@ -277,3 +281,43 @@ def test_bad_input_is_one_line_with_exit_2(trained, tmp_path, problem, words):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("error: ") and words in result.stderr
     assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
+def test_one_reader_takes_a_checkpoint_or_a_state_dict_in_the_common_forms(trained, tmp_path, monkeypatch):
+    """INIT_FROM's and predict.py's reader (start.read_weights): a run's checkpoint.pt, a bare state_dict (torchvision's
+    form), one saved from DDP (module.) or torch.compile (_orig_mod.), one under "state_dict", and timm's .safetensors
+    give the same tensors (so the same parameters load, and stay as built, as from checkpoint.pt); anything else, and
+    .safetensors without its package, is one line saying what it found."""
+    from safetensors.torch import save_file
+
+    from safeguards import start
+    from safeguards.failures import UserError
+
+    weights, checkpoint = start.read_weights(str(trained[0] / "checkpoint.pt"))
+    assert checkpoint is not None and checkpoint["model"].keys() == weights.keys()
+    forms = {
+        "bare.pth": weights,
+        "ddp.pth": {f"module.{name}": tensor for name, tensor in weights.items()},
+        "compiled.pth": {f"_orig_mod.{name}": tensor for name, tensor in weights.items()},
+        "nested.pth": {"state_dict": weights, "epoch": 3},
+    }
+    for name, saved in forms.items():
+        torch.save(saved, tmp_path / name)
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, tmp_path / "timm.safetensors")
+    for name in [*forms, "timm.safetensors"]:
+        found, whole = start.read_weights(str(tmp_path / name))
+        assert whole is None and found.keys() == weights.keys(), name
+        assert all(torch.equal(found[key], weights[key]) for key in weights), name
+    torch.save([1, 2], tmp_path / "list.pt")
+    torch.save({"epoch": 3, "lr": 0.1}, tmp_path / "dict.pt")
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # as where the package is not installed
+    for name, said in [
+        ("list.pt", "INIT_FROM {} holds a list, not a network's tensors; give a run's checkpoint.pt or a state_dict "
+         "file"),
+        ("dict.pt", "INIT_FROM {} holds a dict with keys 'epoch', 'lr', not a network's tensors; give a run's "
+         "checkpoint.pt or a state_dict file"),
+        ("timm.safetensors", "INIT_FROM {} is a .safetensors file: pip install safetensors to read it"),
+    ]:  # fmt: skip
+        with pytest.raises(UserError) as refused:
+            start.read_weights(str(tmp_path / name), "INIT_FROM ")
+        assert str(refused.value) == said.format(tmp_path / name)
