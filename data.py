@@ -1,6 +1,5 @@
-"""CIFAR-10, your image folder or generated images as each rank's batches, cropped, flipped and normalised on the
-device: MemoryLoader (the split on the device, batches cut by indexing a permutation every rank draws alike) or
-StreamLoader (an image folder too large for that: DataLoader + DistributedSampler, workers decoding the files)."""
+"""CIFAR-10, your image folder or generated images as each rank's batches, augmented and normalised on the device:
+MemoryLoader (the split on the device, indexed) or StreamLoader (a larger folder: DataLoader + DistributedSampler)."""
 
 import hashlib
 import multiprocessing

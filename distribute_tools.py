@@ -1,8 +1,5 @@
 """Who each process is, and the seed's helpers for DDP: the one place that decides rank, device and backend.
-
-run_distribute(entrypoint, world_size, *args)   start world_size ranks on this machine, the way torchrun does
-setup(timeout_s) -> DistInfo                    in a rank: join the process group (device, backend, threads)
-cleanup()                                       in a rank: every rank meets, then leaves the group"""
+`run_distribute` starts the ranks here as torchrun does; in a rank, `setup` joins the group and `cleanup` leaves it."""
 
 import datetime
 import gc

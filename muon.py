@@ -1,7 +1,6 @@
 """The optimizers: Muon on the convolution filters with Nesterov SGD on the rest (the default), SGD, Adam (the seed's).
-Muon takes each filter bank's momentum as a matrix (out_channels x the rest) and replaces it by the nearest matrix whose
-singular values are all about 1 (Newton-Schulz iterations): every direction of the update moves about as much, however
-unequal the gradient's. Our own: torch.optim.Muon (torch 2.9 on) takes only 2-D parameters."""
+Muon replaces each filter bank's momentum (out_channels x the rest) by the nearest matrix whose singular values are all
+about 1 (Newton-Schulz): every direction moves about as much. Ours: torch.optim.Muon (2.9 on) takes 2-D ones only."""
 
 from typing import Any
 

@@ -6,8 +6,7 @@
 
 Edit a setting below and rerun. Rank 0 prints one line per epoch and writes OUTPUT_DIR/pytorch_res.csv, pytorch_res.png
 and checkpoint.pt. Comments starting "DDP:" mark where ranks meet: every rank must make those calls. Calls into
-safeguards/ keep runs safe (resume, one run per folder, files, failures) and can be skipped on a first read.
-The recipe and what each part of it measured: README.md and docs/."""
+safeguards/ keep runs safe (resume, one run per folder, files, failures): skip them on a first read."""
 
 import math
 import sys

@@ -103,15 +103,12 @@ def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, ide
     """Every rank alike, before anything is said or changed: the checkpoint's data (`identity`) and network are this
     run's. Loads the weights and optimizer state, then rank 0 says it resumes and rewrites the CSV (later rows are of
     an epoch that runs again); returns the rows of the epochs done ([] for a new run, which INIT_FROM may start)."""
-    history: list[dict] = []
-    folder = cfg.OUTPUT_DIR
+    history, folder = [], cfg.OUTPUT_DIR
     if dist.get_rank() != 0:  # rank 0 reads its files; the others know what every rank saw written: the rows before
         done = int(checkpoint["epoch"]) if checkpoint else 0  # the last (its files are being written), or the resumed
         failures.tell_kept_files(lambda: kept_files(folder, known=max(len(history) - 1, done)))
-    if checkpoint is None:
-        if cfg.INIT_FROM:
-            failures.all_ranks_try(lambda: init_from(model, cfg.INIT_FROM))  # DDP: a rank that cannot stops them all
-        return history
+    if checkpoint is None:  # DDP: with INIT_FROM, a rank that cannot read it stops them all
+        return failures.all_ranks_try(lambda: init_from(model, cfg.INIT_FROM) or []) if cfg.INIT_FROM else history
     if checkpoint["data"]["identity"] != identity:
         was = f"the checkpoint in {folder} was trained on other data ({checkpoint['data']['identity']}, now {identity})"
         raise UserError(f"{was}; resume on the same data, or start a new run without --resume")
@@ -140,9 +137,8 @@ def compare_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) ->
 
 
 def read_weights(path: str, named: str = "") -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """The network's tensors in a run's checkpoint.pt (returned whole too), or in a bare state_dict (keys with DDP's
-    `module.` or torch.compile's `_orig_mod.` prefix too, or under a "state_dict" key) or .safetensors file (with the
-    safetensors package); any other file is one line saying what it holds. `named`: how the line names the file."""
+    """The network's tensors of a run's checkpoint.pt (returned whole too), a state_dict (DDP's or compile's prefixes,
+    or under "state_dict") or .safetensors file; any other is one line saying what it holds, as `named` names it."""
     fix = "give a run's checkpoint.pt or a state_dict file"
     try:
         safetensors = path.endswith(".safetensors") and importlib.import_module("safetensors.torch")  # timm's weights
