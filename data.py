@@ -77,8 +77,7 @@ def _cifar10(data_dir: str, train: bool, download: bool = False) -> Any:
 
 
 def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_format) -> tuple[Any, Any, dict]:
-    """This rank's (train, test) loaders and what the checkpoint records of the data: its identity (a resume on
-    other data is refused on every rank), classes and normalisation."""
+    """This rank's (train, test) loaders and what the checkpoint records of the data (identity, classes, statistics)."""
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if cfg.DATASET == "imagefolder" else (CIFAR_MEAN, CIFAR_STD)
     options = {"mean": mean, "std": std, "device": info.device, "memory_format": memory_format}
     kind, how, found = MemoryLoader, "memory", None  # the memory loader's splits: uint8 NHWC images and their labels
@@ -114,8 +113,7 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
 
 
 def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images that a network can learn: each class has its own smooth colour pattern (smooth, so that crops and flips
-    keep it recognisable), and every image adds strong noise. uint8 NHWC images and their labels."""
+    """Learnable images: each class a smooth colour pattern (crops and flips keep it) under strong noise; uint8 NHWC."""
     patterns = torch.rand(SYNTHETIC_CLASSES, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
     patterns = F.interpolate(patterns, size=image_size, mode="bilinear", align_corners=False)
     g = torch.Generator().manual_seed(seed * 1_000 + 1 + split)  # train and test: same classes, other images
@@ -129,8 +127,7 @@ def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tu
 
 
 def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, int]]]:
-    """Class names (sorted sub-folder names, none that starts with a dot) and (path, label) of every image in them, in
-    sub-folders too, in torchvision's order."""
+    """Class names (sorted sub-folders, none starting with a dot) and (path, label) of every image below them."""
     root = os.path.join(data_dir, split)
     if not os.path.isdir(root):
         problem = f"has no {split}/ folder" if os.path.isdir(data_dir) else "does not exist"
@@ -158,8 +155,7 @@ def image_files(folder: str) -> list[str]:
 
 
 def folder_digest(data_dir: str, samples: list[tuple[str, int]]) -> str:
-    """An image folder's identity without reading an image: every file's name, class and byte size (not its time:
-    copies on other machines must agree). A file replaced by another of the same name and size is not noticed."""
+    """An image folder's identity without reading an image: each file's name, class and byte size (docs/data.md)."""
     listing = "".join(f"{os.path.relpath(path, data_dir)} {label} {os.path.getsize(path)}\n" for path, label in samples)
     return hashlib.sha256(listing.encode()).hexdigest()[:16]
 
@@ -248,8 +244,7 @@ def decoded(files: ImageFiles, workers: int, training: bool) -> tuple[torch.Tens
 
 
 def readable_enough(files: ImageFiles, bad: list[int], left_out: str | None) -> torch.Tensor:
-    """True for each file every rank could read in a pass; rank 0 names the rest in a line (over a tenth, or a class's
-    every file, stops all)."""
+    """True for each file every rank read in a pass; rank 0 names the rest (over a tenth, or a class, stops all)."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, bad)  # DDP: every rank, at the end of each pass
     found = sorted({i for theirs in everyone for i in theirs})
@@ -362,8 +357,7 @@ def shard_indices(n: int, world_size: int, rank: int, seed: int, epoch: int) -> 
 
 
 def crop_and_flip(pixels: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
-    """Random crops of a reflect-padded image (shifts of up to `pad` pixels) and random horizontal flips, drawn per
-    image, done with one gather. uint8 (B, H, W, C) in and out."""
+    """Random crops of reflect-padded images (shifts up to `pad`) and flips, per image, in one gather; uint8 BHWC."""
     batch, height, width, _ = pixels.shape
     shifts = torch.randint(-pad, pad + 1, (2, batch), generator=generator, device=pixels.device)
     rows, cols = reflected(height, pad, pixels.device)[shifts[0]], reflected(width, pad, pixels.device)[shifts[1]]

@@ -34,8 +34,7 @@ KEPT = "<the epoch whose files are kept>"  # a line's placeholder, filled in whe
 
 
 class UserError(Exception):
-    """A problem the user can fix: one line naming it and the fix, exit 2. Raise it only for a condition that every
-    rank sees alike, so that all ranks stop together."""
+    """A problem the user can fix: one line naming it and the fix, exit 2; raised where every rank sees it alike."""
 
 
 class Stopped(BaseException):
@@ -123,8 +122,7 @@ def stop_ranks(signum: int) -> None:
 
 
 def guard_parent(launcher: str | None) -> None:
-    """A rank must not outlive its launcher or torchrun (kill -9 of it) holding the GPU and OUTPUT_DIR: Linux sends
-    it SIGKILL when its parent dies. A launcher already gone: leave now."""
+    """A rank must not outlive its launcher or torchrun (kill -9 of it) holding the GPU and OUTPUT_DIR; nor start."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if launcher and launcher != str(os.getppid()):
@@ -162,8 +160,7 @@ def kept_alive(group: Any) -> Any:
 
 
 def all_ranks_try(action: Callable[[], Any] | None) -> Any:
-    """DDP: every rank calls it. The ranks given an `action` run it (rank 0 alone, say); a UserError on any of them is
-    raised on every rank, so that all stop together. Returns this rank's result."""
+    """DDP: every rank calls it, those given an `action` run it; a UserError on any is raised on all (all stop)."""
     result, error = None, None
     try:
         result = action() if action else None

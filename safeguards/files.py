@@ -51,8 +51,7 @@ class ResultWriter:
         return time.perf_counter() - started
 
     def submit(self, checkpoint: dict[str, Any], history: list[dict]) -> None:
-        """Hand over one epoch's files; the checkpoint is copied now (training goes on changing it): on a GPU the copies
-        are queued behind the epoch's kernels, and the writer's torch.save waits for them on the same stream."""
+        """Hand over one epoch's files, the checkpoint copied now (on a GPU queued: torch.save waits on the stream)."""
         self.pending = self.pool.submit(self._write, copy.deepcopy(checkpoint), list(history))
 
     def close(self) -> None:

@@ -67,8 +67,7 @@ def read_and_check(script: ModuleType, argv: list[str]) -> SimpleNamespace:
 
 
 def check(cfg: SimpleNamespace) -> SimpleNamespace:
-    """The checks that need no rank (a resume's settings pass them again); returns `cfg`. Ranks that would share a GPU
-    are refused where each chooses its device (distribute_tools.setup)."""
+    """The checks that need no rank (a resume's settings pass them again); returns `cfg`."""
     world_size = distribute_tools.world_size(cfg.WORLD_SIZE)
     if cfg.BATCH_SIZE % (world_size * cfg.ACCUMULATE):
         split = f"{world_size} ranks x {cfg.ACCUMULATE} micro-batches" if cfg.ACCUMULATE > 1 else f"{world_size} ranks"

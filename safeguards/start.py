@@ -27,8 +27,7 @@ _held: list[filelock.BaseFileLock] = []  # rank 0's lock on OUTPUT_DIR, held unt
 
 
 def decide(cfg: SimpleNamespace, saved: dict[str, Any] | None, restart: str = "") -> tuple[str, Any, list]:
-    """'new', 'resume' or 'finished' for the checkpoint a start would continue (None: none) and what makes it a restart
-    (restarted_by()), with the settings it goes on with and lines on them (settings.resumed)."""
+    """'new', 'resume' or 'finished' for the checkpoint a start would continue, the settings it goes on with, lines."""
     if cfg.RESUME and saved is None:
         raise UserError(f"RESUME=True but there is no checkpoint in {cfg.OUTPUT_DIR}; start a new run without it")
     if not (cfg.RESUME or restart) or saved is None:  # a restart before the run's first checkpoint starts it again
@@ -47,8 +46,7 @@ def restarted_by() -> str:
 
 
 def lock(output_dir: str, wait_s: float) -> filelock.BaseFileLock:
-    """The OS lock that makes this process the only writer of OUTPUT_DIR (made if need be); the kernel releases it
-    however the process ends. A restart waits a little for its previous attempt's processes to go."""
+    """The OS lock making this process OUTPUT_DIR's only writer (made if need be): the kernel frees it at any end."""
     held = filelock.FileLock(os.path.join(output_dir, ".lock"))
     try:
         os.makedirs(output_dir, exist_ok=True)
@@ -137,8 +135,7 @@ def compare_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) ->
 
 
 def read_weights(path: str, named: str = "") -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """The network's tensors of a run's checkpoint.pt (returned whole too), a state_dict (DDP's or compile's prefixes,
-    or under "state_dict") or .safetensors file; any other is one line saying what it holds, as `named` names it."""
+    """The network's tensors of a run's checkpoint.pt (returned whole too), a state_dict or .safetensors file."""
     fix = "give a run's checkpoint.pt or a state_dict file"
     try:
         safetensors = path.endswith(".safetensors") and importlib.import_module("safetensors.torch")  # timm's weights
@@ -158,8 +155,7 @@ def read_weights(path: str, named: str = "") -> tuple[dict[str, torch.Tensor], d
 
 
 def init_from(model: torch.nn.Module, path: str) -> None:
-    """Fine-tuning: the tensors of another run's checkpoint, or of a state_dict file, whose names and shapes the
-    network has; the rest (a new head for other classes, say) stay as built. Refused below half of its parameters."""
+    """Fine-tuning: the tensors whose names and shapes fit (a new head stays as built); under half of them: refused."""
     weights = read_weights(path, "INIT_FROM ")[0]
     fits, parameters = compare_weights(model, weights)[0], dict(model.named_parameters())
     left = [name for name in parameters if name not in fits]
