@@ -287,9 +287,18 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL[0]
 
 
+WAITING = ("test_torchrun.py", "test_waits.py")  # tests that mostly wait (heartbeats, timeouts): the CPU is free
+
+
 def pytest_collection_modifyitems(items: list) -> None:
-    """The tests that need a scenario run last (a stable sort): their scenarios run while all the others do."""
-    items.sort(key=lambda item: bool(getattr(getattr(item, "function", None), "scenarios", ())))
+    """The tests that mostly wait first, beside the scenarios, which start at once and use the CPU; the tests that
+    need a scenario last, so that they find it done (a stable sort: each file's order stays)."""
+    items.sort(
+        key=lambda item: (
+            bool(getattr(getattr(item, "function", None), "scenarios", ())),
+            item.path.name not in WAITING,
+        )
+    )
 
 
 def pytest_collection_finish(session) -> None:
