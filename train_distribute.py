@@ -125,7 +125,7 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
     if info.world_size > 1:  # DDP: wrap the model; gradients are all-reduced in buckets (alone, DDP only copies them)
         options = {"gradient_as_bucket_view": True, **distribute_tools.NO_BUFFER_SYNC}
         ddp_model = DistributedDataParallel(ddp_model, device_ids, **options)
-    ddp_model = torch.compile(ddp_model) if cfg.COMPILE else ddp_model  # the network and its loss in one graph
+    ddp_model = failures.quiet_compile(ddp_model) if cfg.COMPILE else ddp_model  # torch.compile, loss in the graph
     bf16, precision = start.autocast_bf16(info.device, cfg.AMP, model, cfg.IMAGE_SIZE)  # and its words
     optimizer = muon.make_optimizer(cfg, model, peak_lr(cfg), info.device, bf16)  # muon.py: the optimizers
     return Run(cfg, info, model, ddp_model, optimizer, train_data, test_data, record, bf16, precision)

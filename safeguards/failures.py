@@ -123,8 +123,7 @@ def stop_ranks(signum: int) -> None:
 
 def guard_parent(launcher: str | None) -> None:
     """A rank must not outlive its launcher or torchrun (kill -9 of it) holding the GPU and OUTPUT_DIR; nor start."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL) if sys.platform.startswith("linux") else None  # 1 = PR_SET_PDEATHSIG
     if launcher and launcher != str(os.getppid()):
         os._exit(EXIT_STOPPED)
 
@@ -194,11 +193,14 @@ def survive_closed_stdout() -> None:
     sys.stdout = _Stdout(raw, encoding="utf-8", write_through=True)  # UTF-8 whatever the locale (paths, class names)
 
 
-def hide_healthy_compile_logs() -> None:
-    """COMPILE=True: torch logs these lines (`logging`, not `warnings`) in a healthy CPU run; nothing else is hidden."""
+def quiet_compile(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile(model), without the lines torch logs in every healthy compile on a CPU; nothing else is hidden."""
+    with contextlib.redirect_stderr(io.StringIO()):  # torch 2.4 prints its line as this is imported, not as a log
+        import torch.utils.cpp_extension  # noqa: F401
     for name in [name for name in logging.root.manager.loggerDict if name.split(".")[0] == "torch"]:
         for handler in logging.getLogger(name).handlers:  # torch's loggers each have their own
             handler.addFilter(lambda record: not record.getMessage().startswith(HEALTHY_COMPILE))
+    return torch.compile(model)
 
 
 def run_rank(body: Callable[[], None]) -> int:
@@ -206,7 +208,6 @@ def run_rank(body: Callable[[], None]) -> int:
     that peers left can hang (NCCL waits for them; gloo deadlocked on torch 2.4), and the system closes it anyway."""
     guard_parent(os.environ.get(LAUNCHER_PID))
     survive_closed_stdout()
-    hide_healthy_compile_logs()
     try:
         watch_stop_signals(end_if_stuck)
         handle_stop_signals()  # a stop held back while this rank started arrives here

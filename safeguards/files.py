@@ -58,8 +58,7 @@ class ResultWriter:
         """Finish the pending files, then draw the picture of every epoch they hold (never of one that failed)."""
         try:
             self.wait()
-            if self.saved and self.plotted != len(self.saved):
-                plot(self.saved, self.output_dir)
+            plot(self.saved, self.output_dir) if self.saved and self.plotted != len(self.saved) else None
         finally:
             self.pool.shutdown()
             self.events.close() if self.events else None

@@ -176,6 +176,7 @@ def launch(
     ignore_sigint: bool = False,
     cpus: list[int] | None = None,
     ranks_as_interpreters: bool = False,
+    nice: int = 0,
 ) -> Launched:
     """`python train_distribute.py *args` (or call="module:function" with args, or `python -m module *args`, or
     `python script *args`), forked from the test server, in a session of its own, so that a test can signal or
@@ -191,6 +192,7 @@ def launch(
         "stderr": stdout if merge_output or output else os.path.join(folder, "stderr"),
         "ignore_sigint": ignore_sigint,
         "cpus": cpus,
+        "nice": nice,
         "file_size_limit": file_size_limit,
         "ranks_as_interpreters": ranks_as_interpreters,
     }
@@ -226,9 +228,11 @@ def run_script(
     return subprocess.CompletedProcess(list(args), run.returncode, out, err)
 
 
-def call(function: str, *args, env: dict | None = None, timeout: float = HANG_TIMEOUT) -> subprocess.CompletedProcess:
-    """Call "module:function"(*args) in a process forked from the test server, to its end."""
-    run = launch(*args, call=function, env=env)
+def call(
+    function: str, *args, env: dict | None = None, timeout: float = HANG_TIMEOUT, nice: int = 0
+) -> subprocess.CompletedProcess:
+    """Call "module:function"(*args) in a process forked from the test server, to its end (`nice`: at that priority)."""
+    run = launch(*args, call=function, env=env, nice=nice)
     out, err = run.communicate(timeout=timeout)
     return subprocess.CompletedProcess([function, *args], run.returncode, out, err)
 
@@ -258,8 +262,9 @@ def _kill_session(pid: int) -> None:
 # ----------------------------------------------------------------------------- runs in new interpreters, early
 
 
-BACKGROUND: dict[tuple, Future] = {}
-_POOL: list[ThreadPoolExecutor] = []
+BACKGROUND = 10  # the niceness of the long scenarios that time nothing (the GPU check, compiling): the tests go first
+SCENARIOS: dict[tuple, Future] = {}
+_POOLS: dict[bool, ThreadPoolExecutor] = {}
 
 
 def needs(*scenarios: tuple) -> Callable:
@@ -275,16 +280,17 @@ def needs(*scenarios: tuple) -> Callable:
 
 def scenario(function: Callable, *args) -> Any:
     """What the scenario returned, once it is done (it runs now if the session did not start it)."""
-    key = (function.__qualname__, *args)
-    if key not in BACKGROUND:
-        BACKGROUND[key] = _pool().submit(function, *args)
-    return BACKGROUND[key].result(timeout=2 * HANG_TIMEOUT)
+    start(function, *args)
+    return SCENARIOS[(function.__qualname__, *args)].result(timeout=2 * HANG_TIMEOUT)
 
 
-def _pool() -> ThreadPoolExecutor:
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="scenario"))  # one at a time: 2 ranks each
-    return _POOL[0]
+def start(function: Callable, *args) -> None:
+    """One at a time (2 ranks each); those at BACKGROUND's priority (function.niced) in a queue of their own."""
+    if (key := (function.__qualname__, *args)) not in SCENARIOS:
+        niced = getattr(function, "niced", False)
+        if niced not in _POOLS:
+            _POOLS[niced] = ThreadPoolExecutor(1, thread_name_prefix=f"scenario-{'niced' if niced else 'plain'}")
+        SCENARIOS[key] = _POOLS[niced].submit(function, *args)
 
 
 WAITING = ("test_torchrun.py", "test_waits.py")  # tests that mostly wait (heartbeats, timeouts): the CPU is free
@@ -306,9 +312,7 @@ def pytest_collection_finish(session) -> None:
         if any(mark.args[:1] == (True,) for mark in item.iter_markers("skipif")):  # skipped: not needed
             continue
         for function, *args in getattr(getattr(item, "function", None), "scenarios", ()):
-            key = (function.__qualname__, *args)
-            if key not in BACKGROUND:
-                BACKGROUND[key] = _pool().submit(function, *args)
+            start(function, *args)
 
 
 # ----------------------------------------------------------------------------- reading runs

@@ -54,6 +54,7 @@ def run_child(request: dict) -> None:
         signal.signal(sig, signal.SIG_DFL)
     if request.get("cpus"):
         os.sched_setaffinity(0, request["cpus"])
+    os.nice(request.get("nice", 0))  # a background scenario's run: the CPU the tests leave free
     if request.get("file_size_limit"):  # ulimit -f
         resource.setrlimit(resource.RLIMIT_FSIZE, (request["file_size_limit"],) * 2)
     tests.hooked_run.install_hooks()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import launches
-from tests.conftest import SETTINGS, call
+from tests.conftest import SETTINGS, TEMPLATE_ONLY, call
 
 # Non-view operations per step of a whole epoch at width 8, default settings, one rank: 258.8 on torch 2.14.1 (the
 # seed's step: 368). A change that adds launches to every step fails here first.
@@ -30,6 +30,7 @@ def count(out_dir: str, accumulate: str) -> int:
     return 0
 
 
+@TEMPLATE_ONLY  # the budget is the template ResNet's
 @pytest.mark.skipif("WIDTH" not in SETTINGS, reason="the budget is the template ResNet's; another network swapped in")
 def test_a_training_step_issues_fewer_operations_than_the_seeds_and_muon_makes_no_tensor_per_step(tmp_path):
     for accumulate in ("1", "2"):
