@@ -238,9 +238,12 @@ def call(
 
 
 @contextmanager
-def new_interpreter(command: list[str], timeout: float = HANG_TIMEOUT, **options: Any) -> Iterator[subprocess.Popen]:
-    """A real interpreter in a session of its own. Whatever of it still runs after `timeout` seconds, or when the
-    block ends (a failed test), is killed: launcher, ranks and torchrun's workers alike."""
+def new_interpreter(
+    command: list[str], timeout: float = HANG_TIMEOUT, nice: int = 0, **options: Any
+) -> Iterator[subprocess.Popen]:
+    """A real interpreter in a session of its own (`nice`: at that priority). Whatever of it still runs after `timeout`
+    seconds, or when the block ends (a failed test), is killed: launcher, ranks and torchrun's workers alike."""
+    command = ["nice", "-n", str(nice), *command] if nice else command  # (nice execs it: the same process)
     process = subprocess.Popen(command, cwd=ROOT, text=True, start_new_session=True, **options)
     deadline = threading.Timer(timeout, _kill_session, [process.pid])
     deadline.start()
@@ -262,7 +265,7 @@ def _kill_session(pid: int) -> None:
 # ----------------------------------------------------------------------------- runs in new interpreters, early
 
 
-BACKGROUND = 10  # the niceness of the long scenarios that time nothing (the GPU check, compiling): the tests go first
+BACKGROUND = 10  # the scenarios' niceness: the tests that run meanwhile go first, the scenarios take what is left
 SCENARIOS: dict[tuple, Future] = {}
 _POOLS: dict[bool, ThreadPoolExecutor] = {}
 
@@ -285,12 +288,12 @@ def scenario(function: Callable, *args) -> Any:
 
 
 def start(function: Callable, *args) -> None:
-    """One at a time (2 ranks each); those at BACKGROUND's priority (function.niced) in a queue of their own."""
+    """One at a time (2 ranks each), the long ones (function.long: tens of seconds) in a queue of their own."""
     if (key := (function.__qualname__, *args)) not in SCENARIOS:
-        niced = getattr(function, "niced", False)
-        if niced not in _POOLS:
-            _POOLS[niced] = ThreadPoolExecutor(1, thread_name_prefix=f"scenario-{'niced' if niced else 'plain'}")
-        SCENARIOS[key] = _POOLS[niced].submit(function, *args)
+        long = getattr(function, "long", False)
+        if long not in _POOLS:
+            _POOLS[long] = ThreadPoolExecutor(1, thread_name_prefix=f"scenario-{'long' if long else 'short'}")
+        SCENARIOS[key] = _POOLS[long].submit(function, *args)
 
 
 WAITING = ("test_torchrun.py", "test_waits.py")  # tests that mostly wait (heartbeats, timeouts): the CPU is free

@@ -22,6 +22,7 @@ import torch
 import train_distribute
 from safeguards import failures
 from tests.conftest import (
+    BACKGROUND,
     HANG_TIMEOUT,
     ROOT,
     TINY,
@@ -62,7 +63,7 @@ def in_a_new_interpreter(*args: str) -> tuple[subprocess.CompletedProcess, Path]
     """`python train_distribute.py *args` into a new folder, to its end: a scenario, run in the background."""
     out = Path(tempfile.mkdtemp(prefix="new-interpreter-"))
     command = [sys.executable, "train_distribute.py", *args, f"--output_dir={out}"]
-    with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env()) as run:
+    with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env(), nice=BACKGROUND) as run:
         stdout, stderr = run.communicate(timeout=HANG_TIMEOUT)
     return subprocess.CompletedProcess(command, run.returncode, stdout, stderr), out
 

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from tests.conftest import (
+    BACKGROUND,
     HANG_TIMEOUT,
     SCRIPT,
     TINY,
@@ -72,7 +73,7 @@ def killed_worker_scenario() -> tuple[subprocess.CompletedProcess, Path, list[in
     out = Path(tempfile.mkdtemp(prefix="torchrun-")) / "out"
     torchrun = str(Path(sys.executable).parent / "torchrun")
     command = [torchrun, *standalone(*ARGS, "--epochs=5", f"--output_dir={out}", restarts=2)]
-    with new_interpreter(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV) as process:
+    with new_interpreter(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, nice=BACKGROUND) as process:
         wait_for_rows(out, 2, process)
         first = workers(process.pid)
         os.kill(first[-1], signal.SIGKILL)

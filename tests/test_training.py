@@ -349,7 +349,8 @@ def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_nu
     args = [*SHORT] if loader == "memory" else [*tiny_stream, "--num_workers=1", "--epochs=4"]
     alone, stopped = tmp_path / "alone", tmp_path / "stopped"
     env = clean_env(TEST_DROPOUT="0.3", TEST_STREAM="1" if loader == "stream" else "")  # tiny_stream fits in memory
-    uninterrupted = launch(*args, f"--output_dir={alone}", env=env)  # at the same time as the one stopped
+    # at the same time as the one stopped, decoding in the rank (no fork server): workers change no number
+    uninterrupted = launch(*args, "--num_workers=0", f"--output_dir={alone}", env=env)
     run = launch(
         *args, f"--output_dir={stopped}", env={**env, "TEST_SLOW_EPOCH": "2", "TEST_MARKER": str(tmp_path / "m")}
     )

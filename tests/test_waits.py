@@ -17,6 +17,7 @@ import pytest
 
 import distribute_tools
 from tests.conftest import (
+    BACKGROUND,
     HANG_TIMEOUT,
     TINY,
     clean_env,
@@ -53,7 +54,7 @@ def refused(*names: str) -> tuple[subprocess.CompletedProcess, float, Path]:
     out = Path(tempfile.mkdtemp(prefix="refused-")) / "out"
     command = [sys.executable, "train_distribute.py", *TINY, f"--output_dir={out}"]
     started = time.monotonic()
-    with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env(**env)) as run:
+    with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env(**env), nice=BACKGROUND) as run:
         stdout, stderr = run.communicate(timeout=HANG_TIMEOUT)
     return subprocess.CompletedProcess(command, run.returncode, stdout, stderr), time.monotonic() - started, out
 
