@@ -68,8 +68,8 @@ class ResultWriter:
         write_csv(history, self.output_dir)  # after the checkpoint: the CSV can always be rebuilt from it
         self.saved = history
         if self.events:  # TensorBoard's curves, beside the CSV: every numeric column
-            for name, value in history[-1].items():
-                self.events.add_scalar(name, value, history[-1]["epoch"]) if isinstance(value, float) else None
+            for name, value in list(history[-1].items())[1:]:  # the epoch's step: the first column
+                self.events.add_scalar(name, value, history[-1]["epoch"]) if isinstance(value, int | float) else None
             self.events.flush()
         if time.monotonic() >= self.next_plot:
             started = time.monotonic()
