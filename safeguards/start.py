@@ -106,7 +106,7 @@ def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, ide
         done = int(checkpoint["epoch"]) if checkpoint else 0  # the last (its files are being written), or the resumed
         failures.tell_kept_files(lambda: kept_files(folder, known=max(len(history) - 1, done)))
     if checkpoint is None:  # DDP: with INIT_FROM, a rank that cannot read it stops them all
-        return failures.all_ranks_try(lambda: init_from(model, cfg.INIT_FROM) or []) if cfg.INIT_FROM else history
+        return failures.all_ranks_try(lambda: init_from(model, cfg.INIT_FROM) or history) if cfg.INIT_FROM else history
     if checkpoint["data"]["identity"] != identity:
         was = f"the checkpoint in {folder} was trained on other data ({checkpoint['data']['identity']}, now {identity})"
         raise UserError(f"{was}; resume on the same data, or start a new run without --resume")
