@@ -65,15 +65,13 @@ class Evaluation(torch.nn.Module):
 
 def image_paths(paths: list[str]) -> dict[str, str]:
     """Every image PATH names, sorted, listed as training lists them, with its class: its first folder below a PATH."""
-    from torchvision.datasets.folder import IMG_EXTENSIONS
-
     found = {}
     for path in paths:
         if not os.path.exists(path):
             raise UserError(f"{path} does not exist; give image files, or folders of them")
-        images = data.image_files(path) if os.path.isdir(path) else [path] * path.lower().endswith(IMG_EXTENSIONS)
+        images = data.image_files(path) if os.path.isdir(path) else [path] * path.lower().endswith(data.IMAGE_EXTENSIONS)
         if not images:
-            raise UserError(f"{path} is no image and holds none ({' '.join(IMG_EXTENSIONS)}); give images or folders")
+            raise UserError(f"{path} is no image and holds none ({' '.join(data.IMAGE_EXTENSIONS)}); give images or folders")
         found |= {image: (os.path.relpath(image, path).split(os.sep)[:-1] or [""])[0] for image in images}
     return dict(sorted(found.items()))
 
