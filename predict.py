@@ -15,6 +15,7 @@ import torch
 
 import data
 import train_distribute
+from data import IMAGE_EXTENSIONS
 from safeguards import failures, settings, start
 from safeguards.failures import UserError
 
@@ -69,9 +70,9 @@ def image_paths(paths: list[str]) -> dict[str, str]:
     for path in paths:
         if not os.path.exists(path):
             raise UserError(f"{path} does not exist; give image files, or folders of them")
-        images = data.image_files(path) if os.path.isdir(path) else [path] * path.lower().endswith(data.IMAGE_EXTENSIONS)
+        images = data.image_files(path) if os.path.isdir(path) else [path] * path.lower().endswith(IMAGE_EXTENSIONS)
         if not images:
-            raise UserError(f"{path} is no image and holds none ({' '.join(data.IMAGE_EXTENSIONS)}); give images or folders")
+            raise UserError(f"{path} is no image and holds none ({' '.join(IMAGE_EXTENSIONS)}); give images or folders")
         found |= {image: (os.path.relpath(image, path).split(os.sep)[:-1] or [""])[0] for image in images}
     return dict(sorted(found.items()))
 
