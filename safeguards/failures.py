@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ class Stopped(BaseException):
 _received: list[int] = []  # the stop signal this process got, if any
 _groups_kept: list[Any] = []  # the process group, where freeing it can hang (kept_alive)
 _ending: list[bool] = []  # set first thing when a rank ends: a stop signal arriving then is noted, not raised
+_waiting: list[bool] = []  # set while an epoch's files are handed over (stops_wait): a stop signal then waits
 _kept: list[Callable[[], str]] = []  # says which epoch's files a run that ends now keeps (tell_kept_files)
 _claim = threading.Lock()  # held for good by whichever ends the rank, run_rank or end_if_stuck: one line, one code
 
@@ -64,12 +65,23 @@ def handle_stop_signals() -> None:
     def on_signal(signum: int, frame: object) -> None:
         if not _received:
             _received.append(signum)
-            if not (_ending or lost_peer(sys.exc_info()[1])):
+            if not (_ending or _waiting or lost_peer(sys.exc_info()[1])):
                 raise Stopped(signal.Signals(signum).name)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def stops_wait() -> Iterator[None]:
+    """A stop signal taken in the block raises after it: once every rank agreed that an epoch's files are due, rank 0
+    hands them over and every rank counts them, so that all name the same kept epoch (after an error: ending anyway)."""
+    _waiting.append(True)
+    yield
+    _waiting.clear()
+    if _received and not _ending:
+        raise Stopped(signal.Signals(_received[0]).name)
 
 
 def watch_stop_signals(on_stop: Callable[[int], None]) -> None:

@@ -66,12 +66,15 @@ def read_and_check(script: ModuleType, argv: list[str]) -> SimpleNamespace:
     return cfg
 
 
-def check(cfg: SimpleNamespace) -> SimpleNamespace:
-    """The checks that need no rank (a resume's settings pass them again); returns `cfg`."""
+def check(cfg: SimpleNamespace, resuming: bool = False) -> SimpleNamespace:
+    """The checks that need no rank; a resume's settings pass them again (`resuming`: the checkpoint's BATCH_SIZE,
+    checked then, not the block's, under RESUME=True). Returns `cfg`."""
     world_size = distribute_tools.world_size(cfg.WORLD_SIZE)
-    if cfg.BATCH_SIZE % (world_size * cfg.ACCUMULATE):
+    if cfg.BATCH_SIZE % (world_size * cfg.ACCUMULATE) and (resuming or not cfg.RESUME):
         split = f"{world_size} ranks x {cfg.ACCUMULATE} micro-batches" if cfg.ACCUMULATE > 1 else f"{world_size} ranks"
-        raise UserError(f"BATCH_SIZE={cfg.BATCH_SIZE} does not split evenly over {split}; use a multiple")
+        fix = "resume with a --world_size or --accumulate that splits it" if resuming else "use a multiple"
+        whose = ", the checkpoint's," if resuming else ""  # a resume's refusal: the value it goes on with
+        raise UserError(f"BATCH_SIZE={cfg.BATCH_SIZE}{whose} does not split evenly over {split}; {fix}")
     for name in ("DATA_DIR", "OUTPUT_DIR"):
         if os.path.isfile(getattr(cfg, name)):
             raise UserError(f"{name} {getattr(cfg, name)} is a file, not a folder; give a folder")
@@ -104,7 +107,7 @@ def resumed(cfg: SimpleNamespace, saved: dict[str, Any], restart: str = "") -> t
     if (epochs := merged["EPOCHS"]) > saved["EPOCHS"]:
         longer = f"extended from {saved['EPOCHS']} to {epochs} epochs: the schedule is recomputed over {epochs}"
         lines.append(f"{longer}, so the numbers differ from those of a run started with --epochs {epochs}")
-    return check(SimpleNamespace(**merged)), lines
+    return check(SimpleNamespace(**merged), resuming=True), lines
 
 
 def _converter(name: str, kind: type) -> Any:

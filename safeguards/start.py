@@ -102,9 +102,9 @@ def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, ide
     run's. Loads the weights and optimizer state, then rank 0 says it resumes and rewrites the CSV (later rows are of
     an epoch that runs again); returns the rows of the epochs done ([] for a new run, which INIT_FROM may start)."""
     history, folder = [], cfg.OUTPUT_DIR
-    if dist.get_rank() != 0:  # rank 0 reads its files; the others know what every rank saw written: the rows before
-        done = int(checkpoint["epoch"]) if checkpoint else 0  # the last (its files are being written), or the resumed
-        failures.tell_kept_files(lambda: kept_files(folder, known=max(len(history) - 1, done)))
+    if dist.get_rank() != 0:  # rank 0 reads its files; the others know the epochs rank 0 took on: `history`'s rows
+        done = int(checkpoint["epoch"]) if checkpoint else 0  # (failures.stops_wait), or the resumed checkpoint's
+        failures.tell_kept_files(lambda: kept_files(folder, known=max(len(history), done)))
     if checkpoint is None:  # DDP: with INIT_FROM, a rank that cannot read it stops them all
         return failures.all_ranks_try(lambda: init_from(model, cfg.INIT_FROM) or history) if cfg.INIT_FROM else history
     if checkpoint["data"]["identity"] != identity:
@@ -120,7 +120,9 @@ def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, ide
     history.extend(checkpoint["history"])
     if dist.get_rank() == 0:
         files.write_csv(history, folder)
-        print("\n".join(checkpoint["told"]), flush=True)
+        ranks, now = checkpoint.get("ranks", dist.get_world_size()), dist.get_world_size()  # the ranks that trained it
+        moved = [f"{ranks} ranks trained it, {now} go on: the numbers differ from those of a run that never stopped"]
+        print("\n".join(checkpoint["told"] + moved * (ranks != now)), flush=True)
     return history
 
 

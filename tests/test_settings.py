@@ -279,6 +279,22 @@ def test_the_batch_must_split_evenly_over_ranks_and_micro_batches():
     assert str(refusal.value) == "BATCH_SIZE=48 does not split evenly over 2 ranks x 5 micro-batches; use a multiple"
 
 
+def test_a_resume_is_checked_with_the_checkpoints_batch_and_a_refusal_names_it_and_what_a_resume_may_change():
+    """A resume goes on with the checkpoint's BATCH_SIZE (48): the block's (512) never refuses it, and one that does
+    not split over the ranks now is refused naming the checkpoint's value and the settings a resume may change."""
+    saved = vars(read_config(["--batch_size=48"]))
+    assert settings.read_and_check(td, ["--resume", "--world_size=3"]).BATCH_SIZE == td.BATCH_SIZE == 512
+    assert resumed(["--resume", "--world_size=3"], saved)[0].BATCH_SIZE == 48
+    with pytest.raises(UserError) as refusal:
+        resumed(["--resume", "--world_size=5"], saved)
+    assert str(refusal.value) == (
+        "BATCH_SIZE=48, the checkpoint's, does not split evenly over 5 ranks; resume with a --world_size or "
+        "--accumulate that splits it"
+    )
+    with pytest.raises(UserError, match="^BATCH_SIZE=512 does not split evenly over 3 ranks; use a multiple$"):
+        settings.read_and_check(td, ["--world_size=3"])  # a new run: the block's value
+
+
 # ----------------------------------------------------------------------------- the learning rate
 
 

@@ -146,7 +146,8 @@ def test_a_picture_of_the_curves_and_a_plain_checkpoint(reference_run):
     png = out / "pytorch_res.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     checkpoint = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)  # tensors and plain values
-    assert set(checkpoint) == {"model", "optimizer", "history", "epoch", "config", "data", "bf16"}
+    assert set(checkpoint) == {"model", "optimizer", "history", "epoch", "config", "data", "bf16", "ranks"}
+    assert checkpoint["ranks"] == 2 and checkpoint["config"]["WORLD_SIZE"] == 2  # TINY's: the ranks that trained it
     assert checkpoint["epoch"] == 5 and [row["epoch"] for row in checkpoint["history"]] == [1, 2, 3, 4, 5]
     assert not any(name.startswith(("module.", "_orig_mod.")) for name in checkpoint["model"])
     assert checkpoint["config"]["BATCH_SIZE"] == 48 and "state" in checkpoint["optimizer"]
@@ -451,7 +452,8 @@ def tensorboard_steps(folder: Path) -> dict[str, list[int]]:
 def test_a_resume_goes_on_with_the_checkpoints_settings_and_extends_and_tensorboard_follows(reference_run, tmp_path):
     """`--output_dir X --resume True --epochs 7` and nothing else: the finished run goes on with the checkpoint's
     settings (TINY's, none the block's) up to epoch 7, the schedule recomputed over 7 epochs, with TensorBoard's
-    curves from then on; `--epochs 8` extends it again, the curves continued; a new run moves every file aside. It
+    curves from then on; `--epochs 8` extends it again on 3 ranks (48 splits; the block's 512 would not), the curves
+    continued, a line saying the numbers change with the ranks; a new run moves every file aside. It
     evaluates every 4th epoch from then on (EVAL_EVERY, free on resume), and always the last: epoch 6 is not, 7 and 8
     are, and the last line's final accuracy is the last epoch's."""
     folder = tmp_path / "out"
@@ -474,8 +476,10 @@ def test_a_resume_goes_on_with_the_checkpoints_settings_and_extends_and_tensorbo
     assert rows[["acc", "test_loss"]].iloc[5].isna().all() and rows[["acc", "test_loss"]].iloc[6].notna().all()
     assert lines(extended.stdout)[-1].startswith(f"done: 7 epochs; best acc {rows['acc'].max():.4f} (epoch ")
     assert f"final acc {rows['acc'].iloc[6]:.4f}; results in " in lines(extended.stdout)[-1]
-    again = run_script(f"--output_dir={folder}", "--resume", "--epochs=8")
+    again = run_script(f"--output_dir={folder}", "--resume", "--epochs=8", "--world_size=3")  # the block's 512: no
     assert again.returncode == 0 and csv_rows(folder) == 8, again.stderr
+    assert "2 ranks trained it, 3 go on: the numbers differ from those of a run that never stopped" in again.stdout
+    assert torch.load(folder / "checkpoint.pt", weights_only=True)["ranks"] == 3  # as many as trained it last
     evaluated = pd.read_csv(folder / "pytorch_res.csv")["acc"].notna().tolist()
     assert evaluated == [*reference["acc"].notna(), False, True, True]  # the first 5 as the block's EVAL_EVERY had it
     assert tensorboard_steps(folder)["acc"] == [6, 7, 8]  # TENSORBOARD=True is the checkpoint's now
