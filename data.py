@@ -79,7 +79,8 @@ def _cifar10(data_dir: str, train: bool, download: bool = False) -> Any:
 
 
 def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_format) -> tuple[Any, Any, dict]:
-    """This rank's (train, test) loaders and what the checkpoint records of the data (identity, classes, statistics)."""
+    """This rank's (train, test) loaders and what the checkpoint records of the data (identity, classes, statistics).
+    Another layout (README): files listed otherwise, in list_folder's body; arrays, a branch beside CIFAR-10's here."""
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if cfg.DATASET == "imagefolder" else (CIFAR_MEAN, CIFAR_STD)
     options = {"mean": mean, "std": std, "device": info.device, "memory_format": memory_format}
     kind, how, found = MemoryLoader, "memory", None  # the memory loader's splits: uint8 NHWC images and their labels

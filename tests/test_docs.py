@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 from torch import nn
 
 from tests import swap_network
@@ -165,3 +167,69 @@ def test_the_readmes_sample_first_line_is_what_its_command_builds_now():
     model = train_distribute.make_model(cfg, len(record["classes"]))
     line = files.describe(model, cfg, info, record, train.steps_per_epoch(cfg.BATCH_SIZE), "the precision")
     assert first.rsplit(" | ", 1)[0] == line.rsplit(" | ", 1)[0]
+
+
+# ----------------------------------------------------------------------------- README's recipes for other layouts
+
+
+def readme_recipes() -> tuple[str, str, str]:
+    """README's code for data in another layout, as written there: list_folder for a CSV; for an .npz, the settings
+    block's DATASET line and the branch for data.load."""
+    section = (ROOT / "README.md").read_text().split("**Data in another layout.**")[1]
+    csv_recipe, npz_recipe = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
+    setting, branch = npz_recipe.split("\n", 1)
+    return csv_recipe, setting, branch
+
+
+def train_with_recipe(layout: str, *argv: str) -> int:
+    """`python train_distribute.py *argv` after README's edit for `layout` ("csv" or "npz"), made in this process (the
+    server's fork: its ranks are forked from it and have it too), so the repository stays as it is."""
+    import inspect
+
+    import data
+    import train_distribute
+
+    csv_recipe, setting, branch = readme_recipes()
+    if layout == "csv":
+        exec(csv_recipe, data.__dict__)  # replaces data.list_folder
+    else:
+        exec(setting.split("  # ")[0], train_distribute.__dict__)  # DATASET's choices and value, as the block's line
+        source = inspect.getsource(data.load).replace("\n    else:\n", f"\n{branch}    else:\n", 1)
+        exec(source, data.__dict__)  # data.load with the branch before its else
+    return train_distribute.main(list(argv), entrypoint=train_distribute.main)
+
+
+def test_readmes_recipes_train_on_a_csv_of_paths_and_on_an_npz_refuse_other_data_on_resume_and_classify(tmp_path):
+    """Each recipe as README writes it: a CSV of image paths and class names, and an .npz of arrays, train; the
+    classifier takes the CSV's paths and the arrays' uint8 images; a resume on other arrays is refused in one line."""
+    from predict import Classifier
+    from tests.conftest import call, image_folder_of_noise, width
+
+    images = tmp_path / "images"
+    image_folder_of_noise(images, train=96, test=24, size=16)
+    for split in ("train", "test"):
+        paths = sorted((images / split).rglob("*.png"))
+        rows = [f"{path.relative_to(images)},{'cat' if path.parent.name == 'a' else 'dog'}" for path in paths]
+        (images / f"{split}.csv").write_text("path,label\n" + "\n".join(rows) + "\n")
+    rng, arrays = np.random.default_rng(0), tmp_path / "arrays"
+    npz = {f"x_{s}": rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8) for s, n in (("train", 96), ("test", 24))}
+    npz |= {f"y_{s}": rng.integers(0, 3, n) for s, n in (("train", 96), ("test", 24))}
+    arrays.mkdir()
+    np.savez(arrays / "data.npz", **npz)
+    small = [*width(8), "--batch_size=48", "--world_size=2", "--epochs=1"]
+    for layout, folder, dataset in (("csv", images, "imagefolder"), ("npz", arrays, "npz")):
+        argv = [*small, f"--dataset={dataset}", f"--data_dir={folder}", "--image_size=16", f"--output_dir={folder}/out"]
+        done = call("tests.test_docs:train_with_recipe", layout, *argv)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"96 train, 24 test images on {dataset} |" in done.stdout.splitlines()[0], done.stdout
+    classifier = Classifier(str(images / "out" / "checkpoint.pt"))
+    paths = [str(images / line.split(",")[0]) for line in (images / "test.csv").read_text().splitlines()[1:]]
+    assert classifier.classes == ["cat", "dog"] and classifier(paths).shape == (24, 2)
+    classifier = Classifier(str(arrays / "out" / "checkpoint.pt"))
+    assert classifier.classes == ["0", "1", "2"]
+    assert torch.allclose(classifier.probabilities(torch.from_numpy(npz["x_test"])).sum(dim=1), torch.ones(24))
+    np.savez(arrays / "data.npz", **{**npz, "x_train": 255 - npz["x_train"]})  # other images, the same shapes
+    argv = [f"--output_dir={arrays}/out", "--resume", "--epochs=2"]
+    refused = call("tests.test_docs:train_with_recipe", "npz", *argv)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert f"error: the checkpoint in {arrays}/out was trained on other data (96 train" in refused.stderr
