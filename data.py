@@ -127,8 +127,6 @@ def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tu
 
 
 # ----------------------------------------------------------------------------- image folders
-
-
 def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, int]]]:
     """Class names (sorted sub-folders, none starting with a dot) and (path, label) of every image below them."""
     root = os.path.join(data_dir, split)
@@ -263,8 +261,6 @@ def readable_enough(files: ImageFiles, bad: list[int], left_out: str | None) -> 
 
 
 # ----------------------------------------------------------------------------- the loaders
-
-
 class Loader:
     """What both loaders do on the device: crops and flips for training, normalisation, the model's memory format."""
 

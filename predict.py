@@ -3,8 +3,7 @@
     python predict.py output/checkpoint.pt photo.png more_photos/ > predictions.csv
 
 Each PATH is an image file or a folder, listed as training lists one. CSV on stdout, one row per image; on stderr
-`accuracy A on N images` where a PATH's sub-folders name classes (a run's test/). In code: README, "Use the trained
-model"."""
+`accuracy A on N images` where a PATH's sub-folders name classes (a run's test/). In code: README."""
 
 import csv
 import os

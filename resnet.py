@@ -1,18 +1,10 @@
-"""The seed's ResNet for 32x32 images, with its channel count as a knob.
-
-Layout (width w = 64 is the seed's network):
-
-    stem   3x3 conv 3 -> w, BN, ReLU                    32x32
-    block  w  -> 2w, stride 2                           16x16
-    block  2w -> 4w, stride 2                            8x8
-    block  4w -> 8w, stride 1                            8x8
-    block  8w -> 8w, stride 1 (identity shortcut)        8x8
-    head   global average pool, Linear(8w, num_classes)
-
-Each block is two 3x3 conv + BN with a ReLU between them, plus a 1x1 conv + BN shortcut where the channel count changes,
-and a ReLU on the sum (the seed's block returns the plain sum; the ReLU adds no parameters and helps: +3.3 points in
-docs/accuracy.md). No bias in a convolution (the BatchNorm after it removes one in training), no count of batches in
-BatchNorm (read only with momentum=None): two GPU kernels a layer fewer. seed=True keeps both: 9,553,674 parameters."""
+"""The seed's ResNet for 32x32 images, with its channel count as a knob (width w = 64 is the seed's network): a 3x3 conv
+stem (w channels), four blocks (w -> 2w -> 4w -> 8w -> 8w, the first two with stride 2: 32x32 -> 8x8), global average
+pooling and a Linear head. Each block is two 3x3 conv + BN with a ReLU between them, plus a 1x1 conv + BN shortcut where
+the channel count changes, and a ReLU on the sum (the seed's block returns the plain sum; the ReLU adds no parameters
+and helps: +3.3 points in docs/accuracy.md). No bias in a convolution (the BatchNorm after it removes one in training),
+no count of batches in BatchNorm (read only with momentum=None): two GPU kernels a layer fewer. seed=True keeps both:
+9,553,674 parameters."""
 
 import torch
 from torch import nn

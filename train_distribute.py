@@ -72,8 +72,6 @@ def make_model(cfg: SimpleNamespace, num_classes: int) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------- one rank's run
-
-
 @dataclass
 class Run:
     """What one rank trains with. Built once; the epoch loop reads it."""
@@ -132,8 +130,6 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
 
 
 # ----------------------------------------------------------------------------- the epoch loop
-
-
 def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     """The epochs: train, evaluate, report; rank 0 hands each epoch's files to a background writer."""
     cfg, info, started = run.cfg, run.info, time.perf_counter()
@@ -190,8 +186,6 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
 
 
 # ----------------------------------------------------------------------------- training
-
-
 def peak_lr(cfg: SimpleNamespace) -> float:
     """SGD's and Muon's learning rate grows with the global batch (LR is per 512 images); Adam's is used as given."""
     return cfg.LR * cfg.BATCH_SIZE / 512 if cfg.OPTIMIZER != "adam" else cfg.LR
@@ -254,8 +248,6 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, sums: torc
 
 
 # ----------------------------------------------------------------------------- evaluation
-
-
 @torch.no_grad()
 def evaluate(run: Run) -> tuple[float, float]:
     """Mean test loss and accuracy over the whole test set, each image exactly once: every rank evaluates its own part
@@ -283,8 +275,6 @@ def eval_logits(model: nn.Module, x: torch.Tensor, tta: bool) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- the launcher
-
-
 def main(argv: list[str], entrypoint: Callable | str = sys.executable) -> int:
     """`python train_distribute.py`: check the settings, get the data once, start the ranks; the run's exit code. A
     rank (started by torchrun, or by this launcher through torch's elastic agent) runs main_worker."""

@@ -185,8 +185,6 @@ def all_ranks_try(action: Callable[[], Any] | None) -> Any:
 
 
 # ----------------------------------------------------------------------------- the one place for lines and codes
-
-
 class _Stdout(io.TextIOWrapper):
     """stdout, each write straight to the file: a closed pipe fails the write, which sends the rest to /dev/null."""
 
