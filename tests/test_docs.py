@@ -203,7 +203,7 @@ def test_readmes_recipes_train_on_a_csv_of_paths_and_on_an_npz_refuse_other_data
     """Each recipe as README writes it: a CSV of image paths and class names, and an .npz of arrays, train; the
     classifier takes the CSV's paths and the arrays' uint8 images; a resume on other arrays is refused in one line."""
     from predict import Classifier
-    from tests.conftest import call, image_folder_of_noise, width
+    from tests.conftest import call, image_folder_of_noise, snapshot, width
 
     images = tmp_path / "images"
     image_folder_of_noise(images, train=96, test=24, size=16)
@@ -229,7 +229,7 @@ def test_readmes_recipes_train_on_a_csv_of_paths_and_on_an_npz_refuse_other_data
     assert classifier.classes == ["0", "1", "2"]
     assert torch.allclose(classifier.probabilities(torch.from_numpy(npz["x_test"])).sum(dim=1), torch.ones(24))
     np.savez(arrays / "data.npz", **{**npz, "x_train": 255 - npz["x_train"]})  # other images, the same shapes
-    argv = [f"--output_dir={arrays}/out", "--resume", "--epochs=2"]
+    argv, before = [f"--output_dir={arrays}/out", "--resume", "--epochs=2"], snapshot(arrays / "out")
     refused = call("tests.test_docs:train_with_recipe", "npz", *argv)
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and snapshot(arrays / "out") == before
     assert f"error: the checkpoint in {arrays}/out was trained on other data (96 train" in refused.stderr
