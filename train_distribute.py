@@ -150,6 +150,9 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
             due = epoch % cfg.EVAL_EVERY == 0 or epoch == cfg.EPOCHS  # the last: its acc is the final checkpoint's
             test_loss, acc = evaluate(run) if due else (math.nan, math.nan)  # DDP: every rank alike
             epoch_seconds = time.perf_counter() - epoch_started
+            # DDP: every rank; rank 0 waits for the previous epoch's files (a failed write stops every rank). From the
+            # meeting on a stop waits while rank 0 hands this epoch's files over: every rank names the same kept epoch
+            waited = failures.all_ranks_try(writer.wait if writer else None, hold_stops=True) or 0.0
             row = {  # one CSV column per key, in this order
                 "epoch": epoch,
                 "loss": loss_sum / images,  # mean training loss over every image of the epoch on all ranks
@@ -161,22 +164,18 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
                 "elapsed_seconds": earlier_seconds + time.perf_counter() - started,
                 "images_per_second": images / train_seconds,  # all ranks' training images per second of steps
                 "peak_memory_mb": files.peak_memory_mb(info.device),  # rank 0's (the ranks do the same work)
-                "write_wait_seconds": 0.0,  # how long training waited for the previous epoch's files (below)
+                "write_wait_seconds": waited,  # how long training waited for the previous epoch's files
             }
+            history.append(row)
             if writer:  # checkpoint.pt: weights (no DDP prefixes), optimizer, rows, what resume and predict.py need
                 state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "history": history}
                 state |= {"epoch": epoch, "config": vars(cfg), "data": run.data, "bf16": run.bf16}
                 state["ranks"] = info.world_size  # a resume on another number of ranks says that the numbers change
-            # DDP: every rank; rank 0 waits for the previous epoch's files (a failed write stops every rank). A stop
-            # signal then waits until this epoch's are handed over: every rank names the same kept epoch
-            with failures.stops_wait():
-                row["write_wait_seconds"] = failures.all_ranks_try(writer.wait if writer else None) or 0.0
-                history.append(row)
-                writer.submit(state, history) if writer else None
-            if writer:
+                writer.submit(state, history)
                 shown = f"loss {row['loss']:.4f}  acc {acc:.4f}  test_loss {test_loss:.4f}  lr {lr:.4g}"
                 speed = f"{epoch_seconds:.1f} s  {row['images_per_second']:,.0f} img/s"
                 print(f"epoch {epoch}/{cfg.EPOCHS}  {shown}  {speed}", flush=True)  # the epoch's line
+            failures.stops_go_on()  # a stop held since the meeting ends the rank now
     finally:
         if writer:
             writer.close()  # every completed epoch's files are on disk before this rank leaves

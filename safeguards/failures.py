@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ class Stopped(BaseException):
 _received: list[int] = []  # the stop signal this process got, if any
 _groups_kept: list[Any] = []  # the process group, where freeing it can hang (kept_alive)
 _ending: list[bool] = []  # set first thing when a rank ends: a stop signal arriving then is noted, not raised
-_waiting: list[bool] = []  # set while an epoch's files are handed over (stops_wait): a stop signal then waits
+_waiting: list[bool] = []  # set while an epoch's files are handed over (all_ranks_try): a stop signal then waits
 _kept: list[Callable[[], str]] = []  # says which epoch's files a run that ends now keeps (tell_kept_files)
 _claim = threading.Lock()  # held for good by whichever ends the rank, run_rank or end_if_stuck: one line, one code
 
@@ -71,17 +71,6 @@ def handle_stop_signals() -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-
-
-@contextlib.contextmanager
-def stops_wait() -> Iterator[None]:
-    """A stop signal taken in the block raises after it: once every rank agreed that an epoch's files are due, rank 0
-    hands them over and every rank counts them, so that all name the same kept epoch (after an error: ending anyway)."""
-    _waiting.append(True)
-    yield
-    _waiting.clear()
-    if _received and not _ending:
-        raise Stopped(signal.Signals(_received[0]).name)
 
 
 def watch_stop_signals(on_stop: Callable[[int], None]) -> None:
@@ -170,18 +159,27 @@ def kept_alive(group: Any) -> Any:
     return group
 
 
-def all_ranks_try(action: Callable[[], Any] | None) -> Any:
-    """DDP: every rank calls it, those given an `action` run it; a UserError on any is raised on all (all stop)."""
+def all_ranks_try(action: Callable[[], Any] | None, hold_stops: bool = False) -> Any:
+    """DDP: every rank calls it, those given an `action` run it; a UserError on any is raised on all (all stop).
+    `hold_stops`: from the meeting on, a stop signal waits for stops_go_on (an epoch's files handed over, counted)."""
     result, error = None, None
     try:
         result = action() if action else None
     except UserError as e:
         error = str(e)
     errors: list[str | None] = [None] * dist.get_world_size()
+    _waiting.extend([True] * hold_stops)  # a stop during the action (rank 0 waits for the disk) still ends it at once
     dist.all_gather_object(errors, error)  # every rank's error or None
     if any(errors):
         raise UserError(next(e for e in errors if e))
     return result
+
+
+def stops_go_on() -> None:
+    """A stop signal held since all_ranks_try(hold_stops=True) ends the rank now: every rank names the same epoch."""
+    _waiting.clear()
+    if _received and not _ending:
+        raise Stopped(signal.Signals(_received[0]).name)
 
 
 # ----------------------------------------------------------------------------- the one place for lines and codes

@@ -103,7 +103,7 @@ def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, ide
     an epoch that runs again); returns the rows of the epochs done ([] for a new run, which INIT_FROM may start)."""
     history, folder = [], cfg.OUTPUT_DIR
     if dist.get_rank() != 0:  # rank 0 reads its files; the others know the epochs rank 0 took on: `history`'s rows
-        done = int(checkpoint["epoch"]) if checkpoint else 0  # (failures.stops_wait), or the resumed checkpoint's
+        done = int(checkpoint["epoch"]) if checkpoint else 0  # (failures.stops_go_on), or the resumed checkpoint's
         failures.tell_kept_files(lambda: kept_files(folder, known=max(len(history), done)))
     if checkpoint is None:  # DDP: with INIT_FROM, a rank that cannot read it stops them all
         return failures.all_ranks_try(lambda: init_from(model, cfg.INIT_FROM) or history) if cfg.INIT_FROM else history
