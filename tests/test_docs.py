@@ -7,6 +7,7 @@ import ast
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from tests import swap_network
-from tests.conftest import TEMPLATE_ONLY  # the docs describe the template's network
+from tests.conftest import BACKGROUND, TEMPLATE_ONLY, call, image_folder_of_noise, needs, scenario, snapshot, width
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md")])
@@ -199,37 +200,48 @@ def train_with_recipe(layout: str, *argv: str) -> int:
     return train_distribute.main(list(argv), entrypoint=train_distribute.main)
 
 
-def test_readmes_recipes_train_on_a_csv_of_paths_and_on_an_npz_refuse_other_data_on_resume_and_classify(tmp_path):
-    """Each recipe as README writes it: a CSV of image paths and class names, and an .npz of arrays, train; the
-    classifier takes the CSV's paths and the arrays' uint8 images; a resume on other arrays is refused in one line."""
-    from predict import Classifier
-    from tests.conftest import call, image_folder_of_noise, snapshot, width
-
-    images = tmp_path / "images"
+def recipe_runs() -> tuple[Path, dict, list, subprocess.CompletedProcess, bool]:
+    """Each recipe as README writes it, in the background as the session starts (conftest.needs): a CSV of image paths
+    and class names, and an .npz of arrays, each trained for an epoch; then a resume on other arrays of the shapes."""
+    folder = Path(tempfile.mkdtemp(prefix="recipes-"))
+    images, arrays = folder / "images", folder / "arrays"
     image_folder_of_noise(images, train=96, test=24, size=16)
     for split in ("train", "test"):
         paths = sorted((images / split).rglob("*.png"))
         rows = [f"{path.relative_to(images)},{'cat' if path.parent.name == 'a' else 'dog'}" for path in paths]
         (images / f"{split}.csv").write_text("path,label\n" + "\n".join(rows) + "\n")
-    rng, arrays = np.random.default_rng(0), tmp_path / "arrays"
+    rng = np.random.default_rng(0)
     npz = {f"x_{s}": rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8) for s, n in (("train", 96), ("test", 24))}
     npz |= {f"y_{s}": rng.integers(0, 3, n) for s, n in (("train", 96), ("test", 24))}
     arrays.mkdir()
     np.savez(arrays / "data.npz", **npz)
-    small = [*width(8), "--batch_size=48", "--world_size=2", "--epochs=1"]
-    for layout, folder, dataset in (("csv", images, "imagefolder"), ("npz", arrays, "npz")):
-        argv = [*small, f"--dataset={dataset}", f"--data_dir={folder}", "--image_size=16", f"--output_dir={folder}/out"]
-        done = call("tests.test_docs:train_with_recipe", layout, *argv)
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert f"96 train, 24 test images on {dataset} |" in done.stdout.splitlines()[0], done.stdout
+    small, done = [*width(8), "--batch_size=48", "--world_size=2", "--epochs=1", "--image_size=16"], []
+    for layout, data_dir, dataset in (("csv", images, "imagefolder"), ("npz", arrays, "npz")):
+        argv = [*small, f"--dataset={dataset}", f"--data_dir={data_dir}", f"--output_dir={data_dir}/out"]
+        done.append(call("tests.test_docs:train_with_recipe", layout, *argv, nice=BACKGROUND))
+    before = snapshot(arrays / "out")
+    np.savez(arrays / "data.npz", **{**npz, "x_train": 255 - npz["x_train"]})  # other images, the same shapes
+    argv = [f"--output_dir={arrays}/out", "--resume", "--epochs=2"]
+    refused = call("tests.test_docs:train_with_recipe", "npz", *argv, nice=BACKGROUND)
+    return folder, npz, done, refused, snapshot(arrays / "out") == before
+
+
+@needs((recipe_runs,))
+def test_readmes_recipes_train_on_a_csv_of_paths_and_on_an_npz_refuse_other_data_on_resume_and_classify():
+    """Both recipes train; the classifier takes the CSV's paths and the arrays' uint8 images; a resume on other arrays
+    is refused in one line, the run's folder left as it was."""
+    from predict import Classifier
+
+    folder, npz, done, refused, unchanged = scenario(recipe_runs)
+    for result, dataset in zip(done, ("imagefolder", "npz"), strict=True):
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"96 train, 24 test images on {dataset} |" in result.stdout.splitlines()[0], result.stdout
+    images, arrays = folder / "images", folder / "arrays"
     classifier = Classifier(str(images / "out" / "checkpoint.pt"))
     paths = [str(images / line.split(",")[0]) for line in (images / "test.csv").read_text().splitlines()[1:]]
     assert classifier.classes == ["cat", "dog"] and classifier(paths).shape == (24, 2)
     classifier = Classifier(str(arrays / "out" / "checkpoint.pt"))
     assert classifier.classes == ["0", "1", "2"]
     assert torch.allclose(classifier.probabilities(torch.from_numpy(npz["x_test"])).sum(dim=1), torch.ones(24))
-    np.savez(arrays / "data.npz", **{**npz, "x_train": 255 - npz["x_train"]})  # other images, the same shapes
-    argv, before = [f"--output_dir={arrays}/out", "--resume", "--epochs=2"], snapshot(arrays / "out")
-    refused = call("tests.test_docs:train_with_recipe", "npz", *argv)
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and snapshot(arrays / "out") == before
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and unchanged, refused.stderr
     assert f"error: the checkpoint in {arrays}/out was trained on other data (96 train" in refused.stderr
