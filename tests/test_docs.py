@@ -183,20 +183,22 @@ def readme_recipes() -> tuple[str, str, str]:
 
 
 def train_with_recipe(layout: str, *argv: str) -> int:
-    """`python train_distribute.py *argv` after README's edit for `layout` ("csv" or "npz"), made in this process (the
-    server's fork: its ranks are forked from it and have it too), so the repository stays as it is."""
-    import inspect
-
+    """`python train_distribute.py *argv` after README's edit for `layout` ("csv" or "npz"), made as a user makes it
+    (data.py's text with the recipe in its place), in this process only: the server's fork, whose ranks are forked from
+    it and have the edit too, while the repository stays as it is."""
     import data
     import train_distribute
 
     csv_recipe, setting, branch = readme_recipes()
+    text = Path(data.__file__).read_text()
     if layout == "csv":
-        exec(csv_recipe, data.__dict__)  # replaces data.list_folder
+        start = text.index("\ndef list_folder(")
+        edited = text[:start] + "\n" + csv_recipe + text[text.index("\n\n\n", start) :]  # the function replaced
     else:
         exec(setting.split("  # ")[0], train_distribute.__dict__)  # DATASET's choices and value, as the block's line
-        source = inspect.getsource(data.load).replace("\n    else:\n", f"\n{branch}    else:\n", 1)
-        exec(source, data.__dict__)  # data.load with the branch before its else
+        edited = text.replace("\n    else:\n", f"\n{branch}    else:\n", 1)  # data.load's branch before its else
+    assert edited != text
+    exec(compile(edited, data.__file__, "exec"), data.__dict__)
     return train_distribute.main(list(argv), entrypoint=train_distribute.main)
 
 
