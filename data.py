@@ -37,6 +37,8 @@ SYNTHETIC_CLASSES = 10
 EVAL_BATCH = 500  # test images per evaluation batch
 UNREADABLE_STOP = 0.1  # a pass over an image folder with more unreadable files than this share stops the run
 MEMORY_SHARE = 0.2  # image folders decoded take at most this share of a rank's RAM (twice, decoding) and GPU: in memory
+IN_RANK_BYTES = 8 * 2**20  # NUM_WORKERS=-1: a folder of at most this many bytes is decoded by the rank itself, in
+# about a second (CIFAR-10's JPEGs: 9 MB a second), before worker processes would have started (they import torch)
 # torchvision's IMG_EXTENSIONS, written out: importing torchvision costs every process that lists a folder 1.4 s of CPU
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -87,7 +89,8 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
     if cfg.DATASET == "imagefolder":
         (classes, train), (_, test) = list_folder(cfg.DATA_DIR, "train"), list_folder(cfg.DATA_DIR, "test")
         cores = len(os.sched_getaffinity(0)) // info.local_world_size  # this rank's share of the machine
-        workers = cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else max(1, cores - 1)
+        small = sum(os.path.getsize(path) for path, _ in train + test) <= IN_RANK_BYTES
+        workers = cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else 0 if small else max(1, cores - 1)
         splits: list[Any] = [ImageFiles(samples, cfg.IMAGE_SIZE) for samples in (train, test)]
         source = f"files {folder_digest(cfg.DATA_DIR, train + test)}"
         with Image.open(train[0][0]) as first:  # the header only: the first line says when images are stretched

@@ -54,7 +54,7 @@ INIT_FROM: str = ""  # fine-tune: a checkpoint.pt whose tensors of matching name
 # where and how it runs and reports: a resumed run may change these (the settings above are its checkpoint's)
 DATA_DIR: str = "./data"  # CIFAR-10 is downloaded here; imagefolder reads DATA_DIR/train/<class>/ and test/<class>/
 OUTPUT_DIR: str = "./output"  # CSV, picture and checkpoint; an earlier run's files there move to previous-<time>/
-NUM_WORKERS: int = -1  # image folders: decoding processes per rank; -1: the rank's share of the cores less one, min. 1
+NUM_WORKERS: int = -1  # image folders: decoding processes per rank; -1: none up to 8 MB, else a rank's cores - 1, min 1
 EVAL_EVERY: int = 1  # evaluate every N epochs, and always the last (the CSV's acc and test_loss are NaN between)
 TTA: bool = True  # test-time augmentation: average the logits of each test image and its mirror image
 AMP: bool = True  # bf16 autocast on GPUs and on CPUs with native bf16 (fp32 elsewhere, or when False)

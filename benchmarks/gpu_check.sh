@@ -37,7 +37,9 @@ if [ -z "${DRY_RUN:-}" ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$R/summary.txt" ||
     { echo "error: no GPU here (nvidia-smi failed); DRY_RUN=1 checks the script on the CPU"; exit 1; }
 fi
-note "$("$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)") | $(nproc) cores"
+# torch's version file read alone: importing torch takes seconds
+version='from runpy import run_path; from importlib.util import find_spec as f; v = run_path(f("torch").origin[:-11] + "version.py")'
+note "$("$PY" -c "$version; print('torch', v['__version__'], 'cuda', v['cuda'])") | $(nproc) cores"
 data=$1
 if [ -f "$1" ]; then  # unpacked before any clock starts
   data=$W/data && mkdir -p "$data" && tar -xzf "$1" -C "$data" || { echo "cannot unpack $1"; exit 1; }

@@ -407,13 +407,24 @@ def image_folder_of_noise(root: Path, train: int, test: int, size: int = 32, see
             Image.fromarray(pixels.astype(np.uint8)).save(root / split / label / f"{number:04d}.png")
 
 
-@pytest.fixture(scope="session")
-def tiny_stream(tmp_path_factory) -> list[str]:
+_TINY_STREAM: list[list[str]] = []
+_MAKING_TINY_STREAM = threading.Lock()  # the session's tests and its scenarios (threads) share one folder
+
+
+def tiny_stream_args() -> list[str]:
     """TINY's counterpart for image folders (the stream loader): half as many images, 16x16, read from PNG files by
     one worker per rank, and one entry of each kind that the reader skips (their line would name them)."""
-    root = tmp_path_factory.mktemp("stream") / "images"
-    image_folder_of_noise(root, train=300, test=60, size=16)
-    (root / "train" / "a" / "notes.txt").write_text("not an image")
-    (root / "train" / "a" / "._0000.png").write_bytes(b"\x00\x05\x16\x07")  # macOS's resource fork beside an image
-    (root / "train" / "b" / "more").mkdir()
-    return [*TINY, "--dataset=imagefolder", f"--data_dir={root}", "--image_size=16", "--num_workers=0"]
+    with _MAKING_TINY_STREAM:
+        if not _TINY_STREAM:
+            root = Path(tempfile.mkdtemp(prefix="stream-")) / "images"
+            image_folder_of_noise(root, train=300, test=60, size=16)
+            (root / "train" / "a" / "notes.txt").write_text("not an image")
+            (root / "train" / "a" / "._0000.png").write_bytes(b"\x00\x05\x16\x07")  # macOS's fork beside an image
+            (root / "train" / "b" / "more").mkdir()
+            _TINY_STREAM.append([*TINY, "--dataset=imagefolder", f"--data_dir={root}", "--image_size=16"])
+        return [*_TINY_STREAM[0], "--num_workers=0"]
+
+
+@pytest.fixture(scope="session")
+def tiny_stream() -> list[str]:
+    return tiny_stream_args()

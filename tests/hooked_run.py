@@ -3,7 +3,8 @@ break a rank or the network. The test server installs them in every run it start
 environment asks, and ranks forked from the launcher inherit them):
 
     TEST_PIDS=/folder                     each rank records its process id there, as rank<N>.pid
-    TEST_SLOW_EPOCH=2 TEST_MARKER=/path   epoch 2's checkpoint write takes 2 s; the marker file says it began
+    TEST_SLOW_EPOCH=2 TEST_MARKER=/path   epoch 2's checkpoint write waits 2 s, or until a stop signal reaches the rank
+                                          or it closes the writer (it ends); the marker file says the write began
     TEST_FAIL_EPOCH=2                     epoch 2's checkpoint write fails as on a full disk
     TEST_RANK_1_BUG=1                     rank 1 raises RuntimeError as it builds its run, before training
     TEST_DROPOUT=0.3                      make_model's network gets dropout on its input: randomness in forward
@@ -28,7 +29,7 @@ from torch import nn
 import data
 import train_distribute
 from resnet import ResNet
-from safeguards import files
+from safeguards import failures, files
 
 OUT_OF_MEMORY = (  # as torch says it, where another process holds most of the GPU's memory
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which 1.12 GiB is "
@@ -37,8 +38,9 @@ OUT_OF_MEMORY = (  # as torch says it, where another process holds most of the G
 
 
 def install_hooks() -> None:
-    write, build_run, make_model, main_worker, train_epoch = (
+    write, close, build_run, make_model, main_worker, train_epoch = (
         files.ResultWriter._write,
+        files.ResultWriter.close,
         train_distribute.build_run,
         train_distribute.make_model,
         train_distribute.main_worker,
@@ -51,8 +53,14 @@ def install_hooks() -> None:
             raise OSError(errno.ENOSPC, "No space left on device", os.path.join(self.output_dir, "checkpoint.pt"))
         if epoch == int(os.environ.get("TEST_SLOW_EPOCH", "0")):
             Path(os.environ["TEST_MARKER"]).write_text(str(epoch))  # the write has begun
-            time.sleep(2)
+            slow_until = time.monotonic() + 2
+            while time.monotonic() < slow_until and not (failures._received or getattr(self, "closing", False)):
+                time.sleep(0.01)  # the rank's ending, not a fixed time, ends the wait: the run waits for these files
         write(self, snapshot, history)
+
+    def hooked_close(self) -> None:
+        self.closing = True
+        close(self)
 
     def hooked_build_run(cfg, info):
         if info.rank == 1 and os.environ.get("TEST_RANK_1_BUG"):
@@ -81,6 +89,7 @@ def install_hooks() -> None:
     if os.environ.get("TEST_PROGRESS_SECONDS"):
         files.PROGRESS_EVERY = float(os.environ["TEST_PROGRESS_SECONDS"])
     files.ResultWriter._write = hooked_write
+    files.ResultWriter.close = hooked_close
     train_distribute.build_run = hooked_build_run
     train_distribute.make_model = hooked_make_model
     train_distribute.main_worker = hooked_main_worker

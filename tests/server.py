@@ -29,7 +29,8 @@ import matplotlib.figure  # noqa: F401
 import torch
 import torch._dynamo  # noqa: F401 (what DDP's constructor would import in every rank)
 import torch.distributed.run  # noqa: F401 (torchrun, for the runs that start it)
-import torchvision.datasets  # noqa: F401 (the image folders' listing)
+import torchvision.datasets  # noqa: F401 (CIFAR-10, and torchvision's networks when one is swapped in)
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 import tests.hooked_run
 import train_distribute
@@ -90,6 +91,10 @@ def run_child(request: dict) -> None:
 
 
 def main() -> None:
+    # torch's agent sleeps 0 to 0.3 s before its first rendezvous, to spread many machines' first attempts over time:
+    # here one machine starts a hundred runs a session, each of which would wait that long with the CPU idle
+    sleep = dynamic_rendezvous._delay
+    dynamic_rendezvous._delay = lambda seconds: None if isinstance(seconds, tuple) else sleep(min(seconds, 0.05))
     torch.set_num_threads(1)  # never a thread pool here: a forked child could not start its own
     gc.freeze()  # the imports' objects: a child's full collection (every rank runs one as it leaves) skips them
     statuses: dict[int, int] = {}

@@ -332,21 +332,35 @@ def test_kill_9_of_the_launcher_leaves_no_rank_behind(tmp_path):
     assert ranks_left_after_a_while(ranks) == [], "a rank outlived its launcher"
 
 
-def test_kill_9_of_the_launcher_leaves_no_rank_in_a_new_interpreter_behind(tmp_path):
-    """The ranks a user's run has, new interpreters, each in a session of its own: found by process id."""
-    run = launch(*LONG, f"--output_dir={tmp_path}", ranks_as_interpreters=True)
-    wait_for_rows(tmp_path, 1, run)
+def launcher_killed_beside_new_interpreters() -> tuple[list[int], list[int]]:
+    """kill -9 of a launcher whose ranks are new interpreters, as a user's are, each in a session of its own, in the
+    background (a scenario): its ranks, found by process id, and those still alive after a while."""
+    out = Path(tempfile.mkdtemp(prefix="killed-launcher-"))
+    run = launch(*LONG, f"--output_dir={out}", ranks_as_interpreters=True, nice=BACKGROUND)
+    wait_for_rows(out, 1, run)
     ranks = children_of(run.pid)
-    assert len(ranks) >= 2
     run.kill()
     run.wait(60)
-    assert ranks_left_after_a_while(ranks) == [], "a rank outlived its launcher"
+    return ranks, ranks_left_after_a_while(ranks)
 
 
+@needs((launcher_killed_beside_new_interpreters,))
+def test_kill_9_of_the_launcher_leaves_no_rank_in_a_new_interpreter_behind():
+    ranks, left = scenario(launcher_killed_beside_new_interpreters)
+    assert len(ranks) >= 2 and left == [], "a rank outlived its launcher"
+
+
+def teardown_beside_busy_processes() -> subprocess.CompletedProcess:
+    """benchmarks/gloo_teardown.py's `kept` way, in the background (a scenario: its busy processes take the CPU)."""
+    command = [sys.executable, "-m", "benchmarks.gloo_teardown", "--pairs=1", "--rounds=30", "--ways=kept"]
+    command = ["nice", "-n", str(BACKGROUND), *command]
+    return subprocess.run(command, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=HANG_TIMEOUT)
+
+
+@needs((teardown_beside_busy_processes,))
 def test_leaving_the_group_does_not_hang_beside_busy_processes():
     """distribute_tools.cleanup's way out of the group, as benchmarks/gloo_teardown.py runs it: a pair of ranks, 30
     rounds, 2 busy processes beside them. torch 2.4 to 2.7's destroy_process_group alone got stuck in 9 of 10 such
     pairs of 50 rounds (the benchmark's `plain` way); 2.8 and later free a group without holding Python's lock."""
-    command = [sys.executable, "-m", "benchmarks.gloo_teardown", "--pairs=1", "--rounds=30", "--ways=kept"]
-    run = subprocess.run(command, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=HANG_TIMEOUT)
+    run = scenario(teardown_beside_busy_processes)
     assert run.returncode == 0 and "kept: 0 of 1 pairs stuck" in run.stdout, run.stdout + run.stderr

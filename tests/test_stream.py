@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import distribute_tools
 import train_distribute
 from safeguards import failures, settings
 from tests.conftest import (
+    BACKGROUND,
     HANG_TIMEOUT,
     alive,
     call,
@@ -28,7 +31,9 @@ from tests.conftest import (
     clean_env,
     csv_rows,
     launch,
+    needs,
     recorded_ranks,
+    scenario,
     wait_for_rows,
 )
 
@@ -92,17 +97,24 @@ def sampler_order(images: int, rank: int, seed: int, epoch: int) -> list[int]:
     return list(sampler)
 
 
-@pytest.mark.parametrize("loader", ["memory", "stream"])
-def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the_ranks_share(tmp_path, loader):
-    """And an evaluation reads every test image exactly once: 11 of them, 6 on rank 0 and 5 on rank 1. In memory and
-    streamed alike: DistributedSampler's order, so that a resume where the other loader is chosen goes on exactly."""
-    numbered_folder(tmp_path / "images", train=96, test=11)
-    argv = ["--dataset=imagefolder", f"--data_dir={tmp_path / 'images'}", "--num_workers=1",
+def drawn_by_the_ranks(loader: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """read_in_ranks on a numbered folder with a worker per rank, in the background (a scenario)."""
+    folder = Path(tempfile.mkdtemp(prefix="drawn-"))
+    numbered_folder(folder / "images", train=96, test=11)
+    argv = ["--dataset=imagefolder", f"--data_dir={folder / 'images'}", "--num_workers=1",
             "--image_size=8", "--batch_size=16", "--augment=False", "--seed=3"]  # fmt: skip
     env = clean_env(TEST_STREAM="1" if loader == "stream" else "")
-    result = call(f"{__name__}:read_in_ranks", str(tmp_path), *argv, env=env)
+    return call(f"{__name__}:read_in_ranks", str(folder), *argv, env=env, nice=BACKGROUND), folder
+
+
+@needs((drawn_by_the_ranks, "memory"), (drawn_by_the_ranks, "stream"))
+@pytest.mark.parametrize("loader", ["memory", "stream"])
+def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the_ranks_share(loader):
+    """And an evaluation reads every test image exactly once: 11 of them, 6 on rank 0 and 5 on rank 1. In memory and
+    streamed alike: DistributedSampler's order, so that a resume where the other loader is chosen goes on exactly."""
+    result, folder = scenario(drawn_by_the_ranks, loader)
     assert result.returncode == 0, result.stderr
-    drawn = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    drawn = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert drawn[0]["loader"] == ("stream, 1 worker(s) per rank" if loader == "stream" else "memory")
     for epoch in ("1", "2"):
         shards = [theirs[epoch] for theirs in drawn]
@@ -208,6 +220,15 @@ def test_workers_come_from_a_fork_server_hold_no_lock_and_end_with_their_rank(ti
     while left := [pid for processes in below.values() for pid in processes if alive(pid)]:
         assert time.monotonic() < deadline, "\n".join(f"{pid} {parent_of(pid)} {command_of(pid)[:80]}" for pid in left)
         time.sleep(0.05)
+
+
+def test_a_folder_of_a_few_megabytes_is_decoded_by_its_ranks_alone_by_default(tiny_stream, tmp_path):
+    """NUM_WORKERS=-1 on tiny_stream's 300 kB: no fork server, no worker; the ranks decode it before those start."""
+    run = launch(*tiny_stream, "--num_workers=-1", "--epochs=30", f"--output_dir={tmp_path}")
+    wait_for_rows(tmp_path, 1, run)
+    processes = [command_of(pid) for pid in children_of(run.pid)]
+    run.kill_session()
+    assert len(processes) == 2 and not any("multiprocessing" in command for command in processes), processes
 
 
 def command_of(pid: int) -> str:

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +23,7 @@ import train_distribute
 from resnet import ResNet
 from safeguards import files, settings, start
 from tests.conftest import (
+    BACKGROUND,
     HANG_TIMEOUT,
     TINY,
     alive,
@@ -30,10 +32,13 @@ from tests.conftest import (
     image_folder_of_noise,
     launch,
     model_name,
+    needs,
     read_config,
     recorded_ranks,
     run_script,
+    scenario,
     snapshot,
+    tiny_stream_args,
     width,
 )
 
@@ -343,28 +348,41 @@ def test_kill_9_then_resume_gives_every_epoch_once_and_the_same_numbers(killed_t
     assert not list(folder.glob("previous-*")), "the resumed run moved its own results aside"
 
 
+def stopped_with_dropout(loader: str) -> SimpleNamespace:
+    """A network with dropout on its input (TEST_DROPOUT) trained without a stop, and the same run stopped by SIGTERM
+    during epoch 2's files and resumed: a scenario, in the background. The uninterrupted run decodes in the rank (no
+    fork server) at the same time as the one stopped: workers change no number."""
+    tmp = Path(tempfile.mkdtemp(prefix="dropout-"))
+    args = [*SHORT] if loader == "memory" else [*tiny_stream_args(), "--num_workers=1", "--epochs=4"]
+    alone, stopped = tmp / "alone", tmp / "stopped"
+    env = clean_env(TEST_DROPOUT="0.3", TEST_STREAM="1" if loader == "stream" else "")  # tiny_stream fits in memory
+    uninterrupted = launch(*args, "--num_workers=0", f"--output_dir={alone}", env=env, nice=BACKGROUND)
+    env_stopped = {**env, "TEST_SLOW_EPOCH": "2", "TEST_MARKER": str(tmp / "m")}
+    run = launch(*args, f"--output_dir={stopped}", env=env_stopped, nice=BACKGROUND)
+    wait_for_marker(tmp / "m", run)  # epoch 1 is in the CSV, epoch 2's files are being written
+    os.kill(run.pid, signal.SIGTERM)
+    code, kept = run.wait(HANG_TIMEOUT), checkpoint_epoch(stopped)
+    first = lines(uninterrupted.communicate(timeout=HANG_TIMEOUT)[0])[0]
+    resumed = launch(*args, f"--output_dir={stopped}", "--resume=True", env=env, nice=BACKGROUND)
+    resumed_err = resumed.communicate(timeout=HANG_TIMEOUT)[1]
+    return SimpleNamespace(
+        code=code, kept=kept, alone=alone, stopped=stopped, first=first, uninterrupted=uninterrupted.returncode,
+        resumed=resumed.returncode, resumed_err=resumed_err,
+    )  # fmt: skip
+
+
+@needs((stopped_with_dropout, "memory"), (stopped_with_dropout, "stream"))
 @pytest.mark.parametrize("loader", ["memory", "stream"])
-def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_numbers(tmp_path, tiny_stream, loader):
+def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_numbers(loader):
     """Randomness in the network's forward (here dropout on its input) continues after a resume as if the run had
     not stopped: on the memory loader, and on the stream loader with worker processes."""
-    args = [*SHORT] if loader == "memory" else [*tiny_stream, "--num_workers=1", "--epochs=4"]
-    alone, stopped = tmp_path / "alone", tmp_path / "stopped"
-    env = clean_env(TEST_DROPOUT="0.3", TEST_STREAM="1" if loader == "stream" else "")  # tiny_stream fits in memory
-    # at the same time as the one stopped, decoding in the rank (no fork server): workers change no number
-    uninterrupted = launch(*args, "--num_workers=0", f"--output_dir={alone}", env=env)
-    run = launch(
-        *args, f"--output_dir={stopped}", env={**env, "TEST_SLOW_EPOCH": "2", "TEST_MARKER": str(tmp_path / "m")}
-    )
-    wait_for_marker(tmp_path / "m", run)  # epoch 1 is in the CSV, epoch 2's files are being written
-    os.kill(run.pid, signal.SIGTERM)
-    assert run.wait(HANG_TIMEOUT) == 75 and checkpoint_epoch(stopped) < 4
-    first = lines(uninterrupted.communicate(timeout=HANG_TIMEOUT)[0])[0]
-    assert uninterrupted.returncode == 0 and first.endswith(
+    done = scenario(stopped_with_dropout, loader)
+    assert done.code == 75 and done.kept < 4
+    assert done.uninterrupted == 0 and done.first.endswith(
         f"| muon's LR was tuned for resnet.py's ResNet: for another network try {files.OTHER_NETWORKS}"
-    ), first  # the network is a Sequential now
-    resumed = run_script(*args, f"--output_dir={stopped}", "--resume=True", env=env)
-    assert resumed.returncode == 0, resumed.stderr
-    assert_same_epochs(stopped, alone)
+    ), done.first  # the network is a Sequential now
+    assert done.resumed == 0, done.resumed_err
+    assert_same_epochs(done.stopped, done.alone)
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line_and_the_first_finishes_unharmed(
