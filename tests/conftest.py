@@ -311,6 +311,8 @@ def pytest_collection_modifyitems(items: list) -> None:
 
 
 def pytest_collection_finish(session) -> None:
+    if any("reference_run" in getattr(item, "fixturenames", ()) for item in session.items):
+        start(reference)
     for item in session.items:
         if any(mark.args[:1] == (True,) for mark in item.iter_markers("skipif")):  # skipped: not needed
             continue
@@ -383,14 +385,18 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def reference() -> tuple[Path, subprocess.CompletedProcess]:
+    """One uninterrupted 2-rank run of 5 epochs that several tests inspect: the first scenario of the session."""
+    out = Path(tempfile.mkdtemp(prefix="reference-")) / "out"
+    run = launch(*TINY, "--epochs=5", f"--output_dir={out}", nice=BACKGROUND)
+    stdout, stderr = run.communicate(timeout=HANG_TIMEOUT)
+    assert run.returncode == 0, stdout + stderr
+    return out, subprocess.CompletedProcess(TINY, run.returncode, stdout, stderr)
+
+
 @pytest.fixture(scope="session")
-def reference_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
-    """One uninterrupted 2-rank run of 5 epochs that several tests inspect, and its wall-clock seconds."""
-    out = tmp_path_factory.mktemp("reference") / "out"
-    started = time.monotonic()
-    result = run_script(*TINY, "--epochs=5", f"--output_dir={out}")
-    assert result.returncode == 0, result.stdout + result.stderr
-    return out, result, time.monotonic() - started
+def reference_run() -> tuple[Path, subprocess.CompletedProcess]:
+    return scenario(reference)
 
 
 def image_folder_of_noise(root: Path, train: int, test: int, size: int = 32, seed: int = 0, brighter: int = 90) -> None:

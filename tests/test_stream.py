@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -34,8 +35,10 @@ from tests.conftest import (
     needs,
     recorded_ranks,
     scenario,
+    tiny_stream_args,
     wait_for_rows,
 )
+from tests.test_launch import ranks_left_after_a_while
 
 
 def lines(text: str) -> list[str]:
@@ -128,25 +131,27 @@ def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the
 # ----------------------------------------------------------------------------- any image size
 
 
+def trained_at_size(size: int, workers: int) -> tuple[subprocess.CompletedProcess, Path]:
+    """tiny_stream's images trained for 2 epochs at this size by this many workers per rank (streamed when there are
+    workers), in the background (a scenario)."""
+    folder = Path(tempfile.mkdtemp(prefix="sized-"))
+    argv = [*tiny_stream_args(), f"--image_size={size}", f"--num_workers={workers}", "--epochs=2"]
+    run = launch(*argv, f"--output_dir={folder}", env=clean_env(TEST_STREAM="1" if workers else ""), nice=BACKGROUND)
+    out, err = run.communicate(timeout=HANG_TIMEOUT)
+    return subprocess.CompletedProcess(argv, run.returncode, out, err), folder
+
+
+@needs((trained_at_size, 16, 0), (trained_at_size, 30, 1))
 @pytest.mark.parametrize("size, workers, loader", [(16, 0, "memory"), (30, 1, "stream, 1 worker(s) per rank")])
-def test_own_image_folders_of_any_size_train(tiny_stream, tmp_path, size, workers, loader):
+def test_own_image_folders_of_any_size_train(size, workers, loader):
     """tiny_stream's images (16x16 files) trained for 2 epochs at 16x16 (decoded into memory by the ranks) and
     stretched to 30x30 (streamed, by a worker process per rank), the first line saying so."""
-    env = clean_env(TEST_STREAM="1" if workers else "")
-    run = launch(
-        *tiny_stream,
-        f"--image_size={size}",
-        f"--num_workers={workers}",
-        "--epochs=2",
-        f"--output_dir={tmp_path}",
-        env=env,
-    )
-    out, err = run.communicate(timeout=HANG_TIMEOUT)
-    assert run.returncode == 0 and err == "", err
+    run, folder = scenario(trained_at_size, size, workers)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
     stretched = " (16x16 stretched to 30x30)" if size == 30 else ""
-    assert f"300 train, 60 test images on imagefolder{stretched} | loader {loader} |" in out
-    assert csv_rows(tmp_path) == 2
-    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert f"300 train, 60 test images on imagefolder{stretched} | loader {loader} |" in run.stdout
+    assert csv_rows(folder) == 2
+    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
     assert checkpoint["data"]["image_size"] == size and f"of {size}x{size}" in checkpoint["data"]["identity"]
     assert checkpoint["data"]["classes"] == ["a", "b"]
 
@@ -192,34 +197,44 @@ def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def test_workers_come_from_a_fork_server_hold_no_lock_and_end_with_their_rank(tiny_stream, tmp_path):
-    """Each rank's decoding workers (one for training, one for evaluation) are forked by a fork server, a new
-    interpreter, never by the rank; only rank 0 holds OUTPUT_DIR's lock; and SIGKILL to rank 0 leaves no process of
-    the run behind."""
-    folder, pids = tmp_path / "out", tmp_path / "pids"
-    pids.mkdir()
+def workers_and_rank_0_killed() -> SimpleNamespace:
+    """A streamed run with a worker per reader, in the background (a scenario): once epoch 1's row is written, each
+    rank's processes (command and parent) and who holds OUTPUT_DIR's lock; then SIGKILL to rank 0, the run's exit code
+    and its processes still alive 10 s later (ranks_left_after_a_while)."""
+    folder = Path(tempfile.mkdtemp(prefix="workers-")) / "out"
+    (pids := folder.parent / "pids").mkdir()
     run = launch(
-        *tiny_stream,
+        *tiny_stream_args(),
         "--num_workers=1",
         "--epochs=30",
         "--eval_every=1",  # an evaluation in epoch 1: both readers' workers exist once its row is written
         f"--output_dir={folder}",
         env=clean_env(TEST_PIDS=str(pids), TEST_STREAM="1"),
+        nice=BACKGROUND,
     )
     wait_for_rows(folder, 1, run)
     ranks = recorded_ranks(pids)
-    below = {rank: children_of(rank) for rank in ranks}
-    for rank, processes in below.items():
-        workers = [pid for pid in processes if "multiprocessing.forkserver" not in command_of(parent_of(pid))]
-        forked_here = [pid for pid in processes if parent_of(pid) == rank and "-c" not in command_of(pid).split()]
-        assert forked_here == [] and len(processes) - len(workers) >= 2, [command_of(pid) for pid in processes]
-    assert holders_of(folder / ".lock") == {ranks[0]}
+    below = {rank: [(pid, parent_of(pid), command_of(pid), command_of(parent_of(pid))) for pid in children_of(rank)]
+             for rank in ranks}  # fmt: skip
+    holders = holders_of(folder / ".lock")
     os.kill(ranks[0], signal.SIGKILL)
-    assert run.wait(HANG_TIMEOUT) == 1
-    deadline = time.monotonic() + 10
-    while left := [pid for processes in below.values() for pid in processes if alive(pid)]:
-        assert time.monotonic() < deadline, "\n".join(f"{pid} {parent_of(pid)} {command_of(pid)[:80]}" for pid in left)
-        time.sleep(0.05)
+    code = run.wait(HANG_TIMEOUT)
+    left = ranks_left_after_a_while([p[0] for processes in below.values() for p in processes])
+    return SimpleNamespace(ranks=ranks, below=below, holders=holders, code=code, left=left)
+
+
+@needs((workers_and_rank_0_killed,))
+def test_workers_come_from_a_fork_server_hold_no_lock_and_end_with_their_rank():
+    """Each rank's decoding workers (one for training, one for evaluation) are forked by a fork server, a new
+    interpreter, never by the rank; only rank 0 holds OUTPUT_DIR's lock; and SIGKILL to rank 0 leaves no process of
+    the run behind."""
+    run = scenario(workers_and_rank_0_killed)
+    for rank, processes in run.below.items():  # (pid, parent, command, the parent's command)
+        workers = [p for p in processes if "multiprocessing.forkserver" not in p[3]]
+        forked_here = [p for p in processes if p[1] == rank and "-c" not in p[2].split()]
+        assert forked_here == [] and len(processes) - len(workers) >= 2, processes
+    assert run.holders == {run.ranks[0]} and run.code == 1
+    assert run.left == [], run.left
 
 
 def test_a_folder_of_a_few_megabytes_is_decoded_by_its_ranks_alone_by_default(tiny_stream, tmp_path):
@@ -246,20 +261,14 @@ def fork_servers(run, count: int = 2) -> list[int]:
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("stop", ["sigterm mid-run", "ctrl-c while the fork servers import torch"])
-def test_a_stop_with_decoding_workers_is_its_one_line_once_every_process_of_the_run_has_ended(
-    tiny_stream, tmp_path, stop
-):
-    """SIGTERM to the launcher once both readers' workers decode; or Ctrl-C to every process of the run (its process
-    group, as a terminal's where the ranks are forked) while the fork servers import torch, held there by SIGSTOP
-    until the run has ended (the worker asked for then starts after its rank). stderr holds the stop's line alone,
-    also once the fork servers, workers and resource trackers have ended: no tracker's "leaked semaphore objects"
-    (the ranks end with os._exit), no fork server's KeyboardInterrupt (starting the tracker let SIGINT in again), no
-    worker's traceback of a batch's hand-over that its stopping rank dropped (seen on torch 2.4.1)."""
-    folder = tmp_path / "out"
+def stopped_with_workers(stop: str) -> SimpleNamespace:
+    """A streamed run with a worker per reader, stopped (test_a_stop_with_decoding_workers_...), in the background (a
+    scenario): its exit code, what its processes wrote once all have ended (or those left after HANG_TIMEOUT)."""
+    folder = Path(tempfile.mkdtemp(prefix="stopped-workers-")) / "out"
     run = launch(
-        *tiny_stream, "--num_workers=1", "--epochs=30", f"--output_dir={folder}", env=clean_env(TEST_STREAM="1")
-    )
+        *tiny_stream_args(), "--num_workers=1", "--epochs=30", f"--output_dir={folder}", env=clean_env(TEST_STREAM="1"),
+        nice=BACKGROUND,
+    )  # fmt: skip
     held = []
     if stop == "sigterm mid-run":
         wait_for_rows(folder, 1, run)  # an evaluation has run: both readers' workers exist
@@ -273,16 +282,28 @@ def test_a_stop_with_decoding_workers_is_its_one_line_once_every_process_of_the_
     for pid in held:
         os.kill(pid, signal.SIGCONT)
     deadline = time.monotonic() + HANG_TIMEOUT  # (held fork servers first finish importing torch)
-    while left := [pid for pid in processes if alive(pid)]:
-        assert time.monotonic() < deadline, [command_of(pid)[:80] for pid in left if alive(pid)]
+    while (left := [command_of(pid)[:80] for pid in processes if alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    _, err = run.communicate()  # all that the run's processes wrote
-    if held:
-        assert code == 130 and lines(err) == [f"interrupted: {failures.NOTHING_KEPT}"], err
+    return SimpleNamespace(folder=folder, code=code, err=run.communicate()[1], left=left)  # all that they wrote
+
+
+@needs((stopped_with_workers, "sigterm mid-run"), (stopped_with_workers, "ctrl-c while the fork servers import torch"))
+@pytest.mark.parametrize("stop", ["sigterm mid-run", "ctrl-c while the fork servers import torch"])
+def test_a_stop_with_decoding_workers_is_its_one_line_once_every_process_of_the_run_has_ended(stop):
+    """SIGTERM to the launcher once both readers' workers decode; or Ctrl-C to every process of the run (its process
+    group, as a terminal's where the ranks are forked) while the fork servers import torch, held there by SIGSTOP
+    until the run has ended (the worker asked for then starts after its rank). stderr holds the stop's line alone,
+    also once the fork servers, workers and resource trackers have ended: no tracker's "leaked semaphore objects"
+    (the ranks end with os._exit), no fork server's KeyboardInterrupt (starting the tracker let SIGINT in again), no
+    worker's traceback of a batch's hand-over that its stopping rank dropped (seen on torch 2.4.1)."""
+    run = scenario(stopped_with_workers, stop)
+    assert run.left == [], run.left
+    if stop != "sigterm mid-run":
+        assert run.code == 130 and lines(run.err) == [f"interrupted: {failures.NOTHING_KEPT}"], run.err
     else:
-        kept = torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"]
-        line = f"stopped by SIGTERM: the files in {folder} are from epoch {kept}: continue with --resume True"
-        assert code == 75 and lines(err) == [line], err
+        kept = torch.load(run.folder / "checkpoint.pt", weights_only=True)["epoch"]
+        line = f"stopped by SIGTERM: the files in {run.folder} are from epoch {kept}: continue with --resume True"
+        assert run.code == 75 and lines(run.err) == [line], run.err
 
 
 # ----------------------------------------------------------------------------- a file that stops decoding

@@ -315,7 +315,7 @@ def test_sigterm_to_torchrun_stops_the_job_instead_of_restarting_it(tmp_path):
 
 def test_a_finished_run_started_again_under_torchrun_changes_nothing(tmp_path, reference_run):
     """--resume True again (or a late requeue): one line, exit 0, every file untouched, .lock included."""
-    reference, _, _ = reference_run
+    reference, _ = reference_run
     out = tmp_path / "out"
     shutil.copytree(reference, out)
     before = snapshot(out)

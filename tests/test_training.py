@@ -114,7 +114,7 @@ def assert_same_epochs(folder: Path, reference: Path) -> None:
 
 
 def test_two_ranks_write_one_row_per_epoch(reference_run):
-    out, _, _ = reference_run
+    out, _ = reference_run
     df = pd.read_csv(out / "pytorch_res.csv")
     assert list(df.columns[:3]) == ["epoch", "loss", "acc"] and CLOCKS < set(df.columns)
     assert df["epoch"].tolist() == [1, 2, 3, 4, 5]
@@ -134,7 +134,7 @@ def test_two_ranks_of_the_templates_resnet_learn(tmp_path):
 
 
 def test_only_rank_0_prints_a_first_line_a_line_per_epoch_and_a_done_line(reference_run):
-    out, result, _ = reference_run
+    out, result = reference_run
     assert result.stderr == ""
     first, *epochs, done = lines(result.stdout)
     assert first.startswith(f"{model_name()}(") and "2 rank(s) on cpu (gloo)" in first
@@ -147,7 +147,7 @@ def test_only_rank_0_prints_a_first_line_a_line_per_epoch_and_a_done_line(refere
 
 
 def test_a_picture_of_the_curves_and_a_plain_checkpoint(reference_run):
-    out, _, _ = reference_run
+    out, _ = reference_run
     png = out / "pytorch_res.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     checkpoint = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)  # tensors and plain values
@@ -183,7 +183,7 @@ def _evaluate_rank(argv: list[str], answer: str) -> None:
 def test_evaluation_is_exact_and_independent_of_the_world_size(reference_run, tmp_path):
     """The same weights at world size 1 and 2: every test image exactly once either way, so the same accuracy; and
     the checkpoint holds what the run evaluated with, so its last accuracy comes back exactly."""
-    out, _, _ = reference_run
+    out, _ = reference_run
     found = []
     for world_size in (1, 2):
         answer = tmp_path / f"ws{world_size}.json"
@@ -311,22 +311,21 @@ def wait_for_marker(marker: Path, run) -> None:
         time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def killed_then_resumed(tmp_path_factory) -> SimpleNamespace:
+def killed_and_resumed() -> SimpleNamespace:
     """A run killed with SIGKILL, launcher and ranks at once, while epoch 3's files are written in the background
     (epoch 2 is in the CSV), and what it left; then the same run resumed, and while the resumed run writes epoch 4's
-    files, a second run into its folder."""
-    tmp = tmp_path_factory.mktemp("killed")
+    files, a second run into its folder (at the tests' priority: it must come in those 2 s). A scenario."""
+    tmp = Path(tempfile.mkdtemp(prefix="killed-"))
     folder, pids = tmp / "out", tmp / "pids"
     pids.mkdir()
     env = clean_env(TEST_SLOW_EPOCH="3", TEST_MARKER=str(tmp / "writing-3"), TEST_PIDS=str(pids))
-    killed = launch(*REFERENCE, f"--output_dir={folder}", env=env)
+    killed = launch(*REFERENCE, f"--output_dir={folder}", env=env, nice=BACKGROUND)
     wait_for_marker(tmp / "writing-3", killed)
     kill_9(killed, pids)
     png = (folder / "pytorch_res.png").read_bytes()
     left = {"epoch": checkpoint_epoch(folder), "rows": csv_rows(folder), "png_whole": png[-8:-4] == b"IEND"}
     env = clean_env(TEST_SLOW_EPOCH="4", TEST_MARKER=str(tmp / "writing-4"))
-    resumed = launch(f"--output_dir={folder}", "--resume=True", env=env)  # the checkpoint knows the rest
+    resumed = launch(f"--output_dir={folder}", "--resume=True", env=env, nice=BACKGROUND)  # the checkpoint has the rest
     wait_for_marker(tmp / "writing-4", resumed)
     second = run_script(*TINY, "--epochs=1", "--seed=1", f"--output_dir={folder}")
     out, err = resumed.communicate(timeout=HANG_TIMEOUT)
@@ -335,10 +334,17 @@ def killed_then_resumed(tmp_path_factory) -> SimpleNamespace:
     )
 
 
+@pytest.fixture
+def killed_then_resumed() -> SimpleNamespace:
+    return scenario(killed_and_resumed)
+
+
+@needs((killed_and_resumed,))
 def test_kill_9_during_a_background_write_loses_only_that_epoch(killed_then_resumed):
     assert killed_then_resumed.left == {"epoch": 2, "rows": 2, "png_whole": True}  # epoch 2's files, whole
 
 
+@needs((killed_and_resumed,))
 def test_kill_9_then_resume_gives_every_epoch_once_and_the_same_numbers(killed_then_resumed, reference_run):
     folder, result = killed_then_resumed.folder, killed_then_resumed.resumed
     assert result.returncode == 0 and result.stderr == "", result.stderr
@@ -371,6 +377,9 @@ def stopped_with_dropout(loader: str) -> SimpleNamespace:
     )  # fmt: skip
 
 
+stopped_with_dropout.long = True  # (conftest.start: the queue of the GPU check's dry run, which ends early)
+
+
 @needs((stopped_with_dropout, "memory"), (stopped_with_dropout, "stream"))
 @pytest.mark.parametrize("loader", ["memory", "stream"])
 def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_numbers(loader):
@@ -385,6 +394,7 @@ def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_nu
     assert_same_epochs(done.stopped, done.alone)
 
 
+@needs((killed_and_resumed,))
 def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line_and_the_first_finishes_unharmed(
     killed_then_resumed, reference_run
 ):
@@ -414,7 +424,7 @@ def test_ctrl_c_during_a_background_write_finishes_the_files_first(tmp_path):
 @pytest.mark.parametrize("how", ["resume", "restart"])
 def test_a_finished_run_started_again_changes_nothing_and_exits_0(reference_run, tmp_path, how):
     """--resume True, or a restart with the same settings (a requeued SLURM job): one line, nothing changed."""
-    out, _, _ = reference_run
+    out, _ = reference_run
     folder = tmp_path / "out"
     shutil.copytree(out, folder)
     before = snapshot(folder)
