@@ -2,8 +2,9 @@
 
 Most runs are forked from the test server (tests/server.py), which has imported torch and the project once; their
 ranks are started by torch's elastic agent as always, forked from the launcher. The scenarios about how a run starts
-and ends use new interpreters, as a user's `python train_distribute.py` does; they start in the background as the
-session starts (`needs`, `scenario`).
+and ends use new interpreters, as a user's `python train_distribute.py` does; they, and the heaviest runs (the
+reference run, runs with decoding workers), start in the background as the session starts (`needs`, `scenario`), at
+a lower priority: the tests that run meanwhile go first, and the cores they leave idle are used.
 """
 
 import json

@@ -6,6 +6,7 @@ function) with its own environment, working folder, output files and session, ex
 `train_distribute.main` as the entrypoint, so that the agent forks them: safe here, since neither this server nor a
 launcher has run a parallel torch operation when it forks. A run then starts in a fraction of a second, instead of
 seconds of imports for the launcher and for every rank. Tests of how a run starts and ends keep real interpreters.
+The waits of torch's rendezvous are cut short here (main): a run differs from a user's only in starting sooner.
 
 Protocol: one JSON request per line on stdin, one JSON answer per line on stdout.
     {"start": {...}}   fork a run (train_distribute's argv, its ranks forked or, with "ranks_as_interpreters", new
