@@ -389,10 +389,11 @@ def alive(pid: int) -> bool:
 def reference() -> tuple[Path, subprocess.CompletedProcess]:
     """One uninterrupted 2-rank run of 5 epochs that several tests inspect: the first scenario of the session."""
     out = Path(tempfile.mkdtemp(prefix="reference-")) / "out"
-    run = launch(*TINY, "--epochs=5", f"--output_dir={out}", nice=BACKGROUND)
+    args = [*TINY, "--epochs=5", f"--output_dir={out}"]
+    run = launch(*args, nice=BACKGROUND)
     stdout, stderr = run.communicate(timeout=HANG_TIMEOUT)
     assert run.returncode == 0, stdout + stderr
-    return out, subprocess.CompletedProcess(TINY, run.returncode, stdout, stderr)
+    return out, subprocess.CompletedProcess(args, run.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="session")

@@ -92,8 +92,9 @@ def run_child(request: dict) -> None:
 
 
 def main() -> None:
-    # torch's agent sleeps 0 to 0.3 s before its first rendezvous, to spread many machines' first attempts over time:
-    # here one machine starts a hundred runs a session, each of which would wait that long with the CPU idle
+    # torch's agent sleeps 0 to 0.3 s before its first rendezvous, to spread many machines' first attempts over time,
+    # and 1 s between its looks while it waits for another machine: here one machine starts a hundred runs a session,
+    # and each would wait that long with the CPU idle; a look every 0.05 s costs the store nothing here
     sleep = dynamic_rendezvous._delay
     dynamic_rendezvous._delay = lambda seconds: None if isinstance(seconds, tuple) else sleep(min(seconds, 0.05))
     torch.set_num_threads(1)  # never a thread pool here: a forked child could not start its own
