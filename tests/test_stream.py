@@ -9,6 +9,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -66,7 +67,8 @@ def numbered_folder(root: Path, train: int, test: int, size: int = 8) -> None:
 
 def read_in_ranks(answers: str, *argv: str) -> int:
     """Called in a process forked from the test server (conftest.call): 2 ranks, started by torch's elastic agent as a
-    run's are, load the data as a run does and record the images each one draws in epochs 1 and 2 and evaluates."""
+    run's are, load the data as a run does, in memory and then streamed, and record for each loader the images each
+    rank draws in epochs 1 and 2 and evaluates."""
     distribute_tools.run_distribute(_read_rank, 2, list(argv), answers)
     return 0
 
@@ -74,23 +76,23 @@ def read_in_ranks(answers: str, *argv: str) -> int:
 def _read_rank(argv: list[str], answers: str) -> None:
     cfg = settings.read(train_distribute, argv)
     info = distribute_tools.setup(60)
-    train, test, record = data.load(cfg, info, torch.contiguous_format)
-    mean, std = torch.tensor(record["mean"]).view(1, 3, 1, 1), torch.tensor(record["std"]).view(1, 3, 1, 1)
-
-    def numbers(x: torch.Tensor) -> list[int]:
-        pixels = ((x * std + mean) * 255).round().long()[:, :, 0, 0]  # back from the normalisation
-        return (pixels[:, 0] + 256 * pixels[:, 1]).tolist()
-
-    drawn = {
-        str(epoch): [
-            n for x, _ in train.train_batches(cfg.BATCH_SIZE, 2, info.rank, cfg.SEED, epoch) for n in numbers(x)
-        ]
-        for epoch in (1, 2)
-    }
-    drawn["test"] = [n for x, _ in test.eval_batches(2, info.rank) for n in numbers(x)]
-    drawn["loader"] = record["loader"]
-    Path(answers, f"rank{info.rank}.json").write_text(json.dumps(drawn))
+    for loader, share in (("memory", data.MEMORY_SHARE), ("stream", 0.0)):  # one rank's fork server serves both
+        data.MEMORY_SHARE = share  # (as TEST_STREAM sets it)
+        train, test, record = data.load(cfg, info, torch.contiguous_format)
+        drawn = {
+            str(epoch): numbers(train.train_batches(cfg.BATCH_SIZE, 2, info.rank, cfg.SEED, epoch), record)
+            for epoch in (1, 2)
+        }
+        drawn.update(test=numbers(test.eval_batches(2, info.rank), record), loader=record["loader"])
+        Path(answers, f"{loader}-rank{info.rank}.json").write_text(json.dumps(drawn))
     distribute_tools.cleanup()
+
+
+def numbers(batches: Iterable, record: dict) -> list[int]:
+    """The numbered_folder images' numbers, in the order of the batches."""
+    mean, std = torch.tensor(record["mean"]).view(1, 3, 1, 1), torch.tensor(record["std"]).view(1, 3, 1, 1)
+    pixels = [((x * std + mean) * 255).round().long()[:, :, 0, 0] for x, _ in batches]  # back from the normalisation
+    return [n for p in pixels for n in (p[:, 0] + 256 * p[:, 1]).tolist()]
 
 
 def sampler_order(images: int, rank: int, seed: int, epoch: int) -> list[int]:
@@ -100,24 +102,23 @@ def sampler_order(images: int, rank: int, seed: int, epoch: int) -> list[int]:
     return list(sampler)
 
 
-def drawn_by_the_ranks(loader: str) -> tuple[subprocess.CompletedProcess, Path]:
+def drawn_by_the_ranks() -> tuple[subprocess.CompletedProcess, Path]:
     """read_in_ranks on a numbered folder with a worker per rank, in the background (a scenario)."""
     folder = Path(tempfile.mkdtemp(prefix="drawn-"))
     numbered_folder(folder / "images", train=96, test=11)
     argv = ["--dataset=imagefolder", f"--data_dir={folder / 'images'}", "--num_workers=1",
             "--image_size=8", "--batch_size=16", "--augment=False", "--seed=3"]  # fmt: skip
-    env = clean_env(TEST_STREAM="1" if loader == "stream" else "")
-    return call(f"{__name__}:read_in_ranks", str(folder), *argv, env=env, nice=BACKGROUND), folder
+    return call(f"{__name__}:read_in_ranks", str(folder), *argv, nice=BACKGROUND), folder
 
 
-@needs((drawn_by_the_ranks, "memory"), (drawn_by_the_ranks, "stream"))
+@needs((drawn_by_the_ranks,))
 @pytest.mark.parametrize("loader", ["memory", "stream"])
 def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the_ranks_share(loader):
     """And an evaluation reads every test image exactly once: 11 of them, 6 on rank 0 and 5 on rank 1. In memory and
     streamed alike: DistributedSampler's order, so that a resume where the other loader is chosen goes on exactly."""
-    result, folder = scenario(drawn_by_the_ranks, loader)
+    result, folder = scenario(drawn_by_the_ranks)
     assert result.returncode == 0, result.stderr
-    drawn = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    drawn = [json.loads((folder / f"{loader}-rank{rank}.json").read_text()) for rank in (0, 1)]
     assert drawn[0]["loader"] == ("stream, 1 worker(s) per rank" if loader == "stream" else "memory")
     for epoch in ("1", "2"):
         shards = [theirs[epoch] for theirs in drawn]
@@ -131,29 +132,12 @@ def test_every_image_is_used_once_an_epoch_in_an_order_that_changes_and_that_the
 # ----------------------------------------------------------------------------- any image size
 
 
-def trained_at_size(size: int, workers: int) -> tuple[subprocess.CompletedProcess, Path]:
-    """tiny_stream's images trained for 2 epochs at this size by this many workers per rank (streamed when there are
-    workers), in the background (a scenario)."""
+def trained_in_memory() -> SimpleNamespace:
+    """tiny_stream's images trained for 2 epochs, decoded into memory by the ranks, in the background (a scenario)."""
     folder = Path(tempfile.mkdtemp(prefix="sized-"))
-    argv = [*tiny_stream_args(), f"--image_size={size}", f"--num_workers={workers}", "--epochs=2"]
-    run = launch(*argv, f"--output_dir={folder}", env=clean_env(TEST_STREAM="1" if workers else ""), nice=BACKGROUND)
+    run = launch(*tiny_stream_args(), "--epochs=2", f"--output_dir={folder}", nice=BACKGROUND)
     out, err = run.communicate(timeout=HANG_TIMEOUT)
-    return subprocess.CompletedProcess(argv, run.returncode, out, err), folder
-
-
-@needs((trained_at_size, 16, 0), (trained_at_size, 30, 1))
-@pytest.mark.parametrize("size, workers, loader", [(16, 0, "memory"), (30, 1, "stream, 1 worker(s) per rank")])
-def test_own_image_folders_of_any_size_train(size, workers, loader):
-    """tiny_stream's images (16x16 files) trained for 2 epochs at 16x16 (decoded into memory by the ranks) and
-    stretched to 30x30 (streamed, by a worker process per rank), the first line saying so."""
-    run, folder = scenario(trained_at_size, size, workers)
-    assert run.returncode == 0 and run.stderr == "", run.stderr
-    stretched = " (16x16 stretched to 30x30)" if size == 30 else ""
-    assert f"300 train, 60 test images on imagefolder{stretched} | loader {loader} |" in run.stdout
-    assert csv_rows(folder) == 2
-    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
-    assert checkpoint["data"]["image_size"] == size and f"of {size}x{size}" in checkpoint["data"]["identity"]
-    assert checkpoint["data"]["classes"] == ["a", "b"]
+    return SimpleNamespace(folder=folder, code=run.returncode, out=out, err=err)
 
 
 def test_a_link_to_nothing_or_classes_that_differ_are_one_line_before_any_rank_starts(tiny_stream, tmp_path):
@@ -265,13 +249,14 @@ def stopped_with_workers(stop: str) -> SimpleNamespace:
     """A streamed run with a worker per reader, stopped (test_a_stop_with_decoding_workers_...), in the background (a
     scenario): its exit code, what its processes wrote once all have ended (or those left after HANG_TIMEOUT)."""
     folder = Path(tempfile.mkdtemp(prefix="stopped-workers-")) / "out"
+    size = ["--image_size=30"] if stop == "sigterm mid-run" else []  # (also test_own_image_folders_of_any_size_train)
     run = launch(
-        *tiny_stream_args(), "--num_workers=1", "--epochs=30", f"--output_dir={folder}", env=clean_env(TEST_STREAM="1"),
-        nice=BACKGROUND,
+        *tiny_stream_args(), *size, "--num_workers=1", "--epochs=30", f"--output_dir={folder}",
+        env=clean_env(TEST_STREAM="1"), nice=BACKGROUND,
     )  # fmt: skip
     held = []
     if stop == "sigterm mid-run":
-        wait_for_rows(folder, 1, run)  # an evaluation has run: both readers' workers exist
+        wait_for_rows(folder, 2, run)  # evaluations have run: both readers' workers exist
     else:
         held = fork_servers(run)
         for pid in held:
@@ -284,7 +269,8 @@ def stopped_with_workers(stop: str) -> SimpleNamespace:
     deadline = time.monotonic() + HANG_TIMEOUT  # (held fork servers first finish importing torch)
     while (left := [command_of(pid)[:80] for pid in processes if alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return SimpleNamespace(folder=folder, code=code, err=run.communicate()[1], left=left)  # all that they wrote
+    out, err = run.communicate()  # all that they wrote
+    return SimpleNamespace(folder=folder, code=code, out=out, err=err, left=left)
 
 
 @needs((stopped_with_workers, "sigterm mid-run"), (stopped_with_workers, "ctrl-c while the fork servers import torch"))
@@ -304,6 +290,25 @@ def test_a_stop_with_decoding_workers_is_its_one_line_once_every_process_of_the_
         kept = torch.load(run.folder / "checkpoint.pt", weights_only=True)["epoch"]
         line = f"stopped by SIGTERM: the files in {run.folder} are from epoch {kept}: continue with --resume True"
         assert run.code == 75 and lines(run.err) == [line], run.err
+
+
+@needs((trained_in_memory,), (stopped_with_workers, "sigterm mid-run"))
+@pytest.mark.parametrize("size", [16, 30])
+def test_own_image_folders_of_any_size_train(size):
+    """tiny_stream's images (16x16 files) trained at 16x16 for 2 epochs (decoded into memory by the ranks), and
+    stretched to 30x30 (streamed by a worker process per rank: the run that SIGTERM stops once 2 epochs are in its
+    CSV, whose exit and line test_a_stop_with_decoding_workers_... checks), the first line saying so."""
+    if size == 16:
+        run, loader, stretched = scenario(trained_in_memory), "memory", ""
+        assert run.code == 0 and run.err == "" and csv_rows(run.folder) == 2, run.err
+    else:
+        run, loader = scenario(stopped_with_workers, "sigterm mid-run"), "stream, 1 worker(s) per rank"
+        stretched = " (16x16 stretched to 30x30)"
+        assert csv_rows(run.folder) >= 2
+    assert f"300 train, 60 test images on imagefolder{stretched} | loader {loader} |" in run.out
+    checkpoint = torch.load(run.folder / "checkpoint.pt", weights_only=True)
+    assert checkpoint["data"]["image_size"] == size and f"of {size}x{size}" in checkpoint["data"]["identity"]
+    assert checkpoint["data"]["classes"] == ["a", "b"]
 
 
 # ----------------------------------------------------------------------------- a file that stops decoding
