@@ -268,7 +268,7 @@ def _kill_session(pid: int) -> None:
 
 BACKGROUND = 10  # the scenarios' niceness: the tests that run meanwhile go first, the scenarios take what is left
 SCENARIOS: dict[tuple, Future] = {}
-_POOLS: dict[bool, ThreadPoolExecutor] = {}
+_POOL: list[ThreadPoolExecutor] = []
 
 
 def needs(*scenarios: tuple) -> Callable:
@@ -289,12 +289,11 @@ def scenario(function: Callable, *args) -> Any:
 
 
 def start(function: Callable, *args) -> None:
-    """One at a time (2 ranks each), the long ones (function.long: tens of seconds) in a queue of their own."""
+    """Two at a time (2 ranks each), in the order asked for."""
     if (key := (function.__qualname__, *args)) not in SCENARIOS:
-        long = getattr(function, "long", False)
-        if long not in _POOLS:
-            _POOLS[long] = ThreadPoolExecutor(1, thread_name_prefix=f"scenario-{'long' if long else 'short'}")
-        SCENARIOS[key] = _POOLS[long].submit(function, *args)
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(2, thread_name_prefix="scenario"))
+        SCENARIOS[key] = _POOL[0].submit(function, *args)
 
 
 WAITING = ("test_torchrun.py", "test_waits.py")  # tests that mostly wait (heartbeats, timeouts): the CPU is free
@@ -312,13 +311,15 @@ def pytest_collection_modifyitems(items: list) -> None:
 
 
 def pytest_collection_finish(session) -> None:
-    if any("reference_run" in getattr(item, "fixturenames", ()) for item in session.items):
-        start(reference)
+    """The reference run first (tests compare with it meanwhile), then the long scenarios (function.long: tens of
+    seconds), so that the last ones to end are short, then the others in the tests' order."""
+    wanted = [(reference,)] if any("reference_run" in getattr(i, "fixturenames", ()) for i in session.items) else []
     for item in session.items:
         if any(mark.args[:1] == (True,) for mark in item.iter_markers("skipif")):  # skipped: not needed
             continue
-        for function, *args in getattr(getattr(item, "function", None), "scenarios", ()):
-            start(function, *args)
+        wanted += getattr(getattr(item, "function", None), "scenarios", ())
+    for function, *args in sorted(wanted, key=lambda s: (s[0] is not reference, not getattr(s[0], "long", False))):
+        start(function, *args)
 
 
 # ----------------------------------------------------------------------------- reading runs

@@ -60,7 +60,7 @@ def gpu_check_dry_run() -> tuple[subprocess.CompletedProcess, Path]:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT), folder / "results"
 
 
-gpu_check_dry_run.long = True  # (conftest.start)
+gpu_check_dry_run.long = True  # (conftest.pytest_collection_finish)
 
 
 @pytest.mark.skipif("WIDTH" not in SETTINGS, reason="the check runs the template ResNet at its own sizes")

@@ -57,7 +57,7 @@ def eager_and_compiled() -> Path:
     return folder
 
 
-eager_and_compiled.long = True  # (conftest.start)
+eager_and_compiled.long = True  # (conftest.pytest_collection_finish)
 
 
 @pytest.mark.skipif("WIDTH" not in SETTINGS, reason="sized for the template ResNet")

@@ -377,7 +377,7 @@ def stopped_with_dropout(loader: str) -> SimpleNamespace:
     )  # fmt: skip
 
 
-stopped_with_dropout.long = True  # (conftest.start: the queue of the GPU check's dry run, which ends early)
+stopped_with_dropout.long = True  # (conftest.pytest_collection_finish)
 
 
 @needs((stopped_with_dropout, "memory"), (stopped_with_dropout, "stream"))
