@@ -81,6 +81,9 @@ def killed_worker_scenario() -> tuple[subprocess.CompletedProcess, Path, list[in
     return subprocess.CompletedProcess(command, process.returncode, out_text, err_text), out, first
 
 
+killed_worker_scenario.long = True  # (conftest.pytest_collection_finish)
+
+
 @needs((killed_worker_scenario,))
 def test_a_killed_worker_is_restarted_by_torchrun_and_the_run_resumes_exactly(reference_run):
     """torchrun restarts both workers, they resume from the checkpoint by themselves, and the CSV is the uninterrupted

@@ -356,24 +356,25 @@ def test_kill_9_then_resume_gives_every_epoch_once_and_the_same_numbers(killed_t
 
 def stopped_with_dropout(loader: str) -> SimpleNamespace:
     """A network with dropout on its input (TEST_DROPOUT) trained without a stop, and the same run stopped by SIGTERM
-    during epoch 2's files and resumed: a scenario, in the background. The uninterrupted run decodes in the rank (no
-    fork server) at the same time as the one stopped: workers change no number."""
+    during epoch 2's files and resumed: a scenario, in the background. Streamed, the runs decode in the rank (no fork
+    server) until the resume, which has a worker per reader: workers change no number."""
     tmp = Path(tempfile.mkdtemp(prefix="dropout-"))
-    args = [*SHORT] if loader == "memory" else [*tiny_stream_args(), "--num_workers=1", "--epochs=4"]
+    args = [*SHORT] if loader == "memory" else [*tiny_stream_args(), "--epochs=4"]
     alone, stopped = tmp / "alone", tmp / "stopped"
     env = clean_env(TEST_DROPOUT="0.3", TEST_STREAM="1" if loader == "stream" else "")  # tiny_stream fits in memory
-    uninterrupted = launch(*args, "--num_workers=0", f"--output_dir={alone}", env=env, nice=BACKGROUND)
+    uninterrupted = launch(*args, f"--output_dir={alone}", env=env, nice=BACKGROUND)
     env_stopped = {**env, "TEST_SLOW_EPOCH": "2", "TEST_MARKER": str(tmp / "m")}
     run = launch(*args, f"--output_dir={stopped}", env=env_stopped, nice=BACKGROUND)
     wait_for_marker(tmp / "m", run)  # epoch 1 is in the CSV, epoch 2's files are being written
     os.kill(run.pid, signal.SIGTERM)
     code, kept = run.wait(HANG_TIMEOUT), checkpoint_epoch(stopped)
     first = lines(uninterrupted.communicate(timeout=HANG_TIMEOUT)[0])[0]
-    resumed = launch(*args, f"--output_dir={stopped}", "--resume=True", env=env, nice=BACKGROUND)
-    resumed_err = resumed.communicate(timeout=HANG_TIMEOUT)[1]
+    workers = ["--num_workers=1"] if loader == "stream" else []
+    resumed = launch(*args, *workers, f"--output_dir={stopped}", "--resume=True", env=env, nice=BACKGROUND)
+    resumed_out, resumed_err = resumed.communicate(timeout=HANG_TIMEOUT)
     return SimpleNamespace(
         code=code, kept=kept, alone=alone, stopped=stopped, first=first, uninterrupted=uninterrupted.returncode,
-        resumed=resumed.returncode, resumed_err=resumed_err,
+        resumed=resumed.returncode, resumed_err=resumed_err, resumed_out=resumed_out,
     )  # fmt: skip
 
 
@@ -384,13 +385,14 @@ stopped_with_dropout.long = True  # (conftest.pytest_collection_finish)
 @pytest.mark.parametrize("loader", ["memory", "stream"])
 def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_numbers(loader):
     """Randomness in the network's forward (here dropout on its input) continues after a resume as if the run had
-    not stopped: on the memory loader, and on the stream loader with worker processes."""
+    not stopped: on the memory loader, and on the stream loader, resumed with worker processes."""
     done = scenario(stopped_with_dropout, loader)
     assert done.code == 75 and done.kept < 4
     assert done.uninterrupted == 0 and done.first.endswith(
         f"| muon's LR was tuned for resnet.py's ResNet: for another network try {files.OTHER_NETWORKS}"
     ), done.first  # the network is a Sequential now
     assert done.resumed == 0, done.resumed_err
+    assert ("| loader stream, 1 worker(s) per rank |" in done.resumed_out) == (loader == "stream"), done.resumed_out
     assert_same_epochs(done.stopped, done.alone)
 
 
