@@ -268,7 +268,7 @@ def _kill_session(pid: int) -> None:
 
 BACKGROUND = 10  # the scenarios' niceness: the tests that run meanwhile go first, the scenarios take what is left
 SCENARIOS: dict[tuple, Future] = {}
-_POOL: list[ThreadPoolExecutor] = []
+_POOL = ThreadPoolExecutor(2, thread_name_prefix="scenario")  # (its threads start with the first scenario)
 
 
 def needs(*scenarios: tuple) -> Callable:
@@ -291,9 +291,7 @@ def scenario(function: Callable, *args) -> Any:
 def start(function: Callable, *args) -> None:
     """Two at a time (2 ranks each), in the order asked for."""
     if (key := (function.__qualname__, *args)) not in SCENARIOS:
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(2, thread_name_prefix="scenario"))
-        SCENARIOS[key] = _POOL[0].submit(function, *args)
+        SCENARIOS[key] = _POOL.submit(function, *args)
 
 
 WAITING = ("test_torchrun.py", "test_waits.py")  # tests that mostly wait (heartbeats, timeouts): the CPU is free
