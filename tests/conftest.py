@@ -282,10 +282,10 @@ def needs(*scenarios: tuple) -> Callable:
     return mark
 
 
-def scenario(function: Callable, *args) -> Any:
+def scenario(function: Callable, *args, timeout: float = 2 * HANG_TIMEOUT) -> Any:
     """What the scenario returned, once it is done (it runs now if the session did not start it)."""
     start(function, *args)
-    return SCENARIOS[(function.__qualname__, *args)].result(timeout=2 * HANG_TIMEOUT)
+    return SCENARIOS[(function.__qualname__, *args)].result(timeout=timeout)
 
 
 def start(function: Callable, *args) -> None:
