@@ -47,8 +47,8 @@ def prepare(cfg: SimpleNamespace) -> None:
     """Download CIFAR-10 into DATA_DIR unless it is there: one process per folder at a time (a file lock), since ranks
     downloading at once corrupt the archive. An image folder: both splits must hold the same classes."""
     if cfg.DATASET == "imagefolder":
-        train, test = (set(list_folder(cfg.DATA_DIR, split)[0]) for split in ("train", "test"))
-        only = {"train": train - test, "test": test - train}
+        train, test = set(list_folder(cfg.DATA_DIR, "train")[0]), set(test_listing(cfg)[0])
+        only = {"train": train - test, "test": test - train} if test else {}
         if differ := "; ".join(f"only in {split}/: {', '.join(sorted(c)[:5])}" for split, c in only.items() if c):
             raise UserError(f"{cfg.DATA_DIR}/train and test/ hold other classes ({differ}); give both the same folders")
     if cfg.DATASET != "cifar10":
@@ -87,35 +87,43 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
     options = {"mean": mean, "std": std, "device": info.device, "memory_format": memory_format}
     kind, how, found = MemoryLoader, "memory", None  # the memory loader's splits: uint8 NHWC images and their labels
     if cfg.DATASET == "imagefolder":
-        (classes, train), (_, test) = list_folder(cfg.DATA_DIR, "train"), list_folder(cfg.DATA_DIR, "test")
+        (classes, train), (_, test) = list_folder(cfg.DATA_DIR, "train"), test_listing(cfg)
         cores = len(os.sched_getaffinity(0)) // info.local_world_size  # this rank's share of the machine
         small = sum(os.path.getsize(path) for path, _ in train + test) <= IN_RANK_BYTES
         workers = cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else 0 if small else max(1, cores - 1)
-        splits: list[Any] = [ImageFiles(samples, cfg.IMAGE_SIZE) for samples in (train, test)]
         source = f"files {folder_digest(cfg.DATA_DIR, train + test)}"
+        splits: list[Any] = [ImageFiles(s, cfg.IMAGE_SIZE) if s else None for s in (*hold_out(train, cfg), test)]
         with Image.open(train[0][0]) as first:  # the header only: the first line says when images are stretched
             found = "x".join(map(str, first.size))
         room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / info.local_world_size  # each rank a copy
         gpu = torch.cuda.get_device_properties(info.device).total_memory if info.device.type == "cuda" else room
         if (len(train) + len(test)) * 3 * cfg.IMAGE_SIZE**2 <= MEMORY_SHARE * min(room, gpu):
-            splits = [decoded(files, workers, training) for files, training in zip(splits, (True, False), strict=True)]
+            splits = [decoded(files, workers, i == 0) if files else None for i, files in enumerate(splits)]
         else:
             kind, how, options = StreamLoader, f"stream, {workers} worker(s) per rank", {**options, "workers": workers}
     elif cfg.DATASET == "synthetic":
         source, n, classes = "generated", cfg.SYNTHETIC_SIZE, [f"class_{c}" for c in range(SYNTHETIC_CLASSES)]
-        splits = [make_synthetic(size, cfg.SEED, split, cfg.IMAGE_SIZE) for split, size in enumerate((n, n // 5 or 1))]
+        train, test = (
+            make_synthetic(size, cfg.SEED, part, cfg.IMAGE_SIZE) for part, size in enumerate((n, n // 5 or 1))
+        )
+        splits = [*hold_out(train, cfg), test]
     else:
         cifar = [_cifar10(cfg.DATA_DIR, train) for train in (True, False)]
         classes, source = cifar[0].classes, "CIFAR-10"
-        splits = [(torch.from_numpy(c.data), torch.tensor(c.targets)) for c in cifar]
-    loaders = [kind(split, augment, **options) for split, augment in zip(splits, (cfg.AUGMENT, False), strict=True)]
-    if len(loaders[0]) < cfg.BATCH_SIZE:
-        raise UserError(f"{len(loaders[0])} training images, fewer than BATCH_SIZE={cfg.BATCH_SIZE}; lower it")
-    size = f"{cfg.IMAGE_SIZE}x{cfg.IMAGE_SIZE}"
-    identity = f"{len(loaders[0]):,} train, {len(loaders[1]):,} test images of {size}, {len(classes)} classes, {source}"
+        train, test = ((torch.from_numpy(c.data), torch.tensor(c.targets)) for c in cifar)
+        splits = [*hold_out(train, cfg), test]
+    augments = (cfg.AUGMENT, False, False)  # train, val (HOLDOUT's), test: the evaluation splits in the CSV's order
+    train, val, test = (kind(s, a, **options) if s is not None else None for s, a in zip(splits, augments, strict=True))
+    if len(train) < cfg.BATCH_SIZE:
+        raise UserError(f"{len(train)} training images, fewer than BATCH_SIZE={cfg.BATCH_SIZE}; lower it")
+    size, evaluated = f"{cfg.IMAGE_SIZE}x{cfg.IMAGE_SIZE}", {"test": test, "val": val}
+    counts = [f"{len(part):,} {name}" for name, part in (("train", train), ("held out", val), ("test", test)) if part]
+    identity = f"{', '.join(counts)} images of {size}, {len(classes)} classes, {source}"
+    identity += f", held out: HOLDOUT={cfg.HOLDOUT} of each class drawn by SEED={cfg.SEED}" if val else ""
     record = {"identity": identity, "classes": classes, "mean": mean, "std": std, "image_size": cfg.IMAGE_SIZE}
     stretched = found if found not in (None, size) else None  # the images' size, where they are stretched
-    return loaders[0], loaders[1], {**record, "loader": how, "train_images": len(loaders[0]), "stretched": stretched}
+    record |= {"loader": how, "train_images": len(train), "stretched": stretched}
+    return train, {name: loader for name, loader in evaluated.items() if loader}, record
 
 
 def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,13 +137,37 @@ def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tu
     return images.permute(0, 2, 3, 1).contiguous(), labels
 
 
+def hold_out(split: Any, cfg: SimpleNamespace) -> tuple[Any, Any]:
+    """(train, held out or None): HOLDOUT of each class's images (rounded), drawn by SEED alone: the same on every rank
+    and at every start. `split`: (images, labels) tensors, or a folder's (path, label) list."""
+    labels = split[1] if isinstance(split, tuple) else torch.tensor([label for _, label in split], dtype=torch.long)
+    held, generator = torch.zeros(len(labels), dtype=torch.bool), torch.Generator().manual_seed(cfg.SEED)
+    for label in labels.unique().tolist():
+        members = (labels == label).nonzero().flatten()
+        held[members[torch.randperm(len(members), generator=generator)[: round(cfg.HOLDOUT * len(members))]]] = True
+    if not held.any():
+        return split, None
+    if isinstance(split, tuple):
+        return (split[0][~held], labels[~held]), (split[0][held], labels[held])
+    pairs = list(zip(split, held.tolist(), strict=True))
+    return [s for s, h in pairs if not h], [s for s, h in pairs if h]
+
+
 # ----------------------------------------------------------------------------- image folders
+def test_listing(cfg: SimpleNamespace) -> tuple[list[str], list[tuple[str, int]]]:
+    """test/'s classes and images; none for a folder without test/ when HOLDOUT holds out images to evaluate on."""
+    if cfg.HOLDOUT and not os.path.isdir(os.path.join(cfg.DATA_DIR, "test")):
+        return [], []
+    return list_folder(cfg.DATA_DIR, "test")
+
+
 def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, int]]]:
     """Class names (sorted sub-folders, none starting with a dot) and (path, label) of every image below them."""
     root = os.path.join(data_dir, split)
     if not os.path.isdir(root):
         problem = f"has no {split}/ folder" if os.path.isdir(data_dir) else "does not exist"
-        raise UserError(f"DATA_DIR {data_dir} {problem}; give a folder with train/<class>/ and test/<class>/")
+        other = ", or hold out a share of train/ to evaluate on: --holdout 0.1" if split == "test" else ""
+        raise UserError(f"DATA_DIR {data_dir} {problem}; give a folder with train/<class>/ and test/<class>/{other}")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise UserError(f"{root} holds no class folders; put one sub-folder per class in it, with the images inside")

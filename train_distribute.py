@@ -50,6 +50,7 @@ LABEL_SMOOTHING: float = 0.2  # share of each training target spread evenly over
 AUGMENT: bool = True  # random crops (shifts of up to an eighth of the image, reflect padding) and flips, on the device
 MUON_SCALE: float = 0.1  # muon: the filters' orthogonalised step, per unit of LR (the run's, batch-scaled)
 SEED: int = 0  # model init, data order and augmentation derive from SEED, the epoch and the rank only
+HOLDOUT: float = 0.0  # share of each class's training images held out (drawn from SEED) to pick the best epoch: 0.1
 INIT_FROM: str = ""  # fine-tune: a checkpoint.pt whose tensors of matching name and shape replace the initial weights
 # where and how it runs and reports: a resumed run may change these (the settings above are its checkpoint's)
 DATA_DIR: str = "./data"  # CIFAR-10 is downloaded here; imagefolder reads DATA_DIR/train/<class>/ and test/<class>/
@@ -57,7 +58,7 @@ OUTPUT_DIR: str = "./output"  # CSV, picture and checkpoint; an earlier run's fi
 NUM_WORKERS: int = -1  # image folders: decoding processes per rank; -1: none up to 8 MB, else a rank's cores - 1, min 1
 EVAL_EVERY: int = 1  # evaluate every N epochs, and always the last (the CSV's acc and test_loss are NaN between)
 TTA: bool = True  # test-time augmentation: average the logits of each test image and its mirror image
-AMP: bool = True  # bf16 autocast on GPUs and on CPUs with native bf16 (fp32 elsewhere, or when False)
+PRECISION: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 where fast, fp16 on older GPUs, else fp32
 COMPILE: bool = False  # torch.compile the model: faster steps after a minute or more of compiling
 ACCUMULATE: int = 1  # micro-batches per step: each rank's share of the batch in this many passes, in less memory
 WORLD_SIZE: int = 0  # processes to start: 0 = one per GPU (2 on a machine without GPUs); torchrun decides there
@@ -82,10 +83,10 @@ class Run:
     ddp_model: nn.Module  # the network and its loss (WithLoss), in DDP on several ranks, compiled with COMPILE
     optimizer: torch.optim.Optimizer
     train_data: data.Loader
-    test_data: data.Loader
+    eval_data: dict[str, data.Loader]  # "val" (HOLDOUT's images), "test": each split that evaluation reports
     data: dict[str, Any]  # what the checkpoint records of the data: identity, classes, normalisation
-    bf16: bool  # autocast in bf16
-    precision: str  # what the first line says of it
+    precision: str  # the first line's words on it, first "bf16", "fp16" (its loss scaled by `scaler`) or "fp32"
+    scaler: torch.amp.GradScaler  # fp16's dynamic loss scaling (a step whose gradients overflow is skipped); else off
 
 
 class WithLoss(nn.Module):
@@ -113,7 +114,7 @@ def main_worker(cfg: SimpleNamespace) -> None:
 
 def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
     """Data on the device, the network wrapped in DDP, the optimizer."""
-    train_data, test_data, record = data.load(cfg, info, torch.channels_last)  # DDP: ranks pool unreadable images
+    train_data, eval_data, record = data.load(cfg, info, torch.channels_last)  # DDP: ranks pool unreadable images
     torch.backends.cudnn.benchmark = info.device.type == "cuda"  # fixed shapes: pick the fastest convolution once
     torch.manual_seed(cfg.SEED)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = make_model(cfg, len(record["classes"]))
@@ -124,9 +125,10 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
         options = {"gradient_as_bucket_view": True, **distribute_tools.NO_BUFFER_SYNC}
         ddp_model = DistributedDataParallel(ddp_model, device_ids, **options)
     ddp_model = failures.quiet_compile(ddp_model) if cfg.COMPILE else ddp_model  # torch.compile, loss in the graph
-    bf16, precision = start.autocast_bf16(info.device, cfg.AMP, model, cfg.IMAGE_SIZE)  # and its words
-    optimizer = muon.make_optimizer(cfg, model, peak_lr(cfg), info.device, bf16)  # muon.py: the optimizers
-    return Run(cfg, info, model, ddp_model, optimizer, train_data, test_data, record, bf16, precision)
+    precision = start.precision(info.device, cfg.PRECISION, model, cfg.IMAGE_SIZE)  # auto: what this device does fast
+    scaler = torch.amp.GradScaler(info.device.type, enabled=precision.startswith("fp16"))  # fp16's range: scaled
+    optimizer = muon.make_optimizer(cfg, model, peak_lr(cfg), info.device, precision.startswith("bf16"))  # muon.py
+    return Run(cfg, info, model, ddp_model, optimizer, train_data, eval_data, record, precision, scaler)
 
 
 # ----------------------------------------------------------------------------- the epoch loop
@@ -136,7 +138,7 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     # a resumed run: the checkpoint's weights, optimizer state and rows, once its data and network are checked (a
     # refusal is the run's only line); a new one with INIT_FROM (fine-tuning): that run's weights that fit. DDP: with
     # INIT_FROM every rank meets (one that cannot read it stops them all)
-    history = start.restore(checkpoint, run.model, run.optimizer, run.data["identity"], cfg)
+    history = start.restore(checkpoint, run.model, run.optimizer, run.scaler, run.data["identity"], cfg)
     if info.is_main:  # DDP: rank 0 alone prints and writes files
         steps = run.train_data.steps_per_epoch(cfg.BATCH_SIZE)
         print(files.describe(run.model, cfg, info, run.data, steps, run.precision))
@@ -148,7 +150,7 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
             epoch_started = time.perf_counter()
             (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
             due = epoch % cfg.EVAL_EVERY == 0 or epoch == cfg.EPOCHS  # the last: its acc is the final checkpoint's
-            test_loss, acc = evaluate(run) if due else (math.nan, math.nan)  # DDP: every rank alike
+            scores = evaluate(run) if due else dict.fromkeys(files.score_columns(run.eval_data), math.nan)  # DDP: all
             epoch_seconds = time.perf_counter() - epoch_started
             # DDP: every rank; rank 0 waits for the previous epoch's files (a failed write stops every rank). From the
             # meeting on a stop waits while rank 0 hands this epoch's files over: every rank names the same kept epoch
@@ -156,8 +158,7 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
             row = {  # one CSV column per key, in this order
                 "epoch": epoch,
                 "loss": loss_sum / images,  # mean training loss over every image of the epoch on all ranks
-                "acc": acc,  # test accuracy, every test image exactly once
-                "test_loss": test_loss,
+                **scores,  # acc and test_loss (every test image exactly once); val_acc and val_loss with HOLDOUT
                 "train_acc": correct / images,
                 "lr": lr,  # at the epoch's last step
                 "epoch_seconds": epoch_seconds,  # this epoch's training steps and evaluation
@@ -169,10 +170,11 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
             history.append(row)
             if writer:  # checkpoint.pt: weights (no DDP prefixes), optimizer, rows, what resume and predict.py need
                 state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "history": history}
-                state |= {"epoch": epoch, "config": vars(cfg), "data": run.data, "bf16": run.bf16}
+                state |= {"epoch": epoch, "config": vars(cfg), "data": run.data, "precision": run.precision}
+                state["scaler"] = run.scaler.state_dict()  # fp16's loss scale: a resume goes on with it ({} if off)
                 state["ranks"] = info.world_size  # a resume on another number of ranks says that the numbers change
                 writer.submit(state, history)
-                shown = f"loss {row['loss']:.4f}  acc {acc:.4f}  test_loss {test_loss:.4f}  lr {lr:.4g}"
+                shown = "  ".join(f"{key} {row[key]:.4f}" for key in ("loss", *scores)) + f"  lr {lr:.4g}"
                 speed = f"{epoch_seconds:.1f} s  {row['images_per_second']:,.0f} img/s"
                 print(f"epoch {epoch}/{cfg.EPOCHS}  {shown}  {speed}", flush=True)  # the epoch's line
             failures.stops_go_on()  # a stop held since the meeting ends the rank now
@@ -233,38 +235,48 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, sums: torc
         group["lr"].fill_(lr) if torch.is_tensor(group["lr"]) else group.update(lr=lr)
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches = list(zip(x.chunk(run.cfg.ACCUMULATE), y.chunk(run.cfg.ACCUMULATE), strict=True))
-    with torch.autocast(run.info.device.type, dtype=torch.bfloat16, enabled=run.bf16):  # weights cast once a step
+    with autocast(run.info.device, run.precision):  # weights cast once a step
         for i, (x_part, y_part) in enumerate(micro_batches):
             # DDP: gradients are averaged over the ranks during the last micro-batch's backward, bucket by bucket
             with run.ddp_model.no_sync() if run.info.world_size > 1 and i < len(micro_batches) - 1 else nullcontext():
                 logits, loss = run.ddp_model(x_part, y_part)
                 with torch.autocast(run.info.device.type, enabled=False):  # backward outside autocast, as advised
-                    (loss * (len(y_part) / len(y))).backward()  # gradients add up to those of the share's mean
+                    run.scaler.scale(loss * (len(y_part) / len(y))).backward()  # adds up to the share's mean's
             sums[0].add_(loss.detach(), alpha=len(y_part))  # in place: a launch each (+= on an element is two)
             sums[1].add_((logits.argmax(dim=1) == y_part).sum())
             sums[2].add_(len(y_part))
-    run.optimizer.step()  # DDP: Muon's step all-reduces the filters' updates (each rank computes its share)
+    # DDP: Muon's step all-reduces the filters' updates (each rank computes its share). fp16: a step whose gradients
+    # overflowed is skipped (one host sync a step), on every rank alike: the gradients were averaged over all of them
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
 
 
 # ----------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate(run: Run) -> tuple[float, float]:
-    """Mean test loss and accuracy over the whole test set, each image exactly once: every rank evaluates its own part
-    with the plain network (never the DDP wrapper), then the sums meet."""
+def evaluate(run: Run) -> dict[str, float]:
+    """Mean loss and accuracy of each evaluation split (files.score_columns names them), each image exactly once:
+    every rank evaluates its own part with the plain network (never the DDP wrapper), then the sums meet."""
     for buffer in run.model.buffers():  # DDP: every rank evaluates with rank 0's BatchNorm statistics
         dist.broadcast(buffer, src=0)
     run.model.eval()
-    sums = torch.zeros(3, device=run.info.device)
-    for x, y in run.test_data.eval_batches(run.info.world_size, run.info.rank):
-        with torch.autocast(run.info.device.type, dtype=torch.bfloat16, enabled=run.bf16):
-            logits = eval_logits(run.model, x, run.cfg.TTA)
-        sums[0] += F.cross_entropy(logits, y, reduction="sum")
-        sums[1] += (logits.argmax(dim=1) == y).sum()
-        sums[2] += len(y)
+    sums = torch.zeros(len(run.eval_data), 3, device=run.info.device)
+    for split, loader in enumerate(run.eval_data.values()):
+        for x, y in loader.eval_batches(run.info.world_size, run.info.rank):  # DDP: streamed, the ranks meet at the end
+            with autocast(run.info.device, run.precision):
+                logits = eval_logits(run.model, x, run.cfg.TTA)
+            sums[split, 0] += F.cross_entropy(logits, y, reduction="sum")
+            sums[split, 1] += (logits.argmax(dim=1) == y).sum()
+            sums[split, 2] += len(y)
     run.model.train()
-    dist.all_reduce(sums)  # DDP: the test sums over all ranks
-    loss_sum, correct, images = sums.tolist()
-    return loss_sum / images, correct / images
+    dist.all_reduce(sums)  # DDP: every split's sums over all ranks, at once
+    scores = [value for loss, correct, images in sums.tolist() for value in (correct / images, loss / images)]
+    return dict(zip(files.score_columns(run.eval_data), scores, strict=True))
+
+
+def autocast(device: torch.device, precision: str) -> torch.autocast:
+    """The forward pass in the run's precision (its first word): bf16 or fp16 autocast, or none for fp32."""
+    dtype = torch.float16 if precision.startswith("fp16") else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype, enabled=not precision.startswith("fp32"))
 
 
 def eval_logits(model: nn.Module, x: torch.Tensor, tta: bool) -> torch.Tensor:

@@ -19,7 +19,7 @@ FREE_ON_RESUME: set[str] = set()  # filled in by read()
 # Allowed ranges: (lowest, highest), None where open; one the script lacks (WIDTH, after a network swap) is skipped.
 LIMITS = {name: (1, None) for name in "EPOCHS BATCH_SIZE ACCUMULATE SYNTHETIC_SIZE COLLECTIVE_TIMEOUT".split()}
 LIMITS |= {"WIDTH": (1, None), "EVAL_EVERY": (1, None), "IMAGE_SIZE": (8, None), "NUM_WORKERS": (-1, None)}
-LIMITS |= {"WARMUP": (0, 1), "LABEL_SMOOTHING": (0, 0.99)}
+LIMITS |= {"WARMUP": (0, 1), "LABEL_SMOOTHING": (0, 0.99), "HOLDOUT": (0, 0.5)}
 LIMITS |= {"MOMENTUM": (0, 0.999), "WEIGHT_DECAY": (0, 1), "LR": (1e-12, None), "WORLD_SIZE": (0, None)}
 BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 KINDS = {int: "an integer, e.g. 1", float: "a number, e.g. 0.1", bool: "True or False", str: "text"}

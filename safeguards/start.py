@@ -1,5 +1,5 @@
 """The start rule, and one run per OUTPUT_DIR: `decide` says whether a start is new, a resume (RESUME=True, or a
-restart by torchrun or SLURM, which resumes by itself) or finished. autocast_bf16: bf16 where it is fast and right."""
+restart by torchrun or SLURM, which resumes by itself) or finished. precision: PRECISION="auto" made concrete."""
 
 import glob
 import importlib
@@ -69,8 +69,8 @@ def all_ranks_begin(cfg: SimpleNamespace, info: DistInfo) -> tuple[str, dict[str
     holder = max(range(info.world_size), key=lambda rank: (everyone[rank][1], -rank))  # among equals, rank 0
     found: list[Any] = [None]
     where = everyone[holder][2]
-    if holder and (cfg.RESUME or restart):  # DDP: the checkpoint from the rank that holds it, to every rank
-        found = [failures.all_ranks_try(lambda: _read(cfg, restart) if info.rank == holder else None)]
+    if holder and (cfg.RESUME or restart):  # DDP: the checkpoint (and best.pt) from the rank that holds it, to all
+        found = [failures.all_ranks_try(lambda: _read(cfg, restart, with_best=True) if info.rank == holder else None)]
         dist.broadcast_object_list(found, src=holder)
     shared = [failures.all_ranks_try(lambda: begin(cfg, restart, found[0], where, hold=True) if info.is_main else None)]
     dist.broadcast_object_list(shared, src=0)  # DDP: rank 0's decision, checkpoint and settings, to every rank
@@ -90,6 +90,8 @@ def begin(cfg: SimpleNamespace, restart: str, handed: Any = None, where: str = "
         os.remove(name)
     if kind == "new" and (moved := move_aside(cfg.OUTPUT_DIR)):
         print(f"moved the earlier run's results in {cfg.OUTPUT_DIR} to {moved}", flush=True)
+    if kind == "resume" and (best := saved.pop("best.pt", None)):  # the holder's best.pt goes where files go now
+        files.write_atomically(os.path.join(cfg.OUTPUT_DIR, files.BEST_NAME), lambda tmp: open(tmp, "wb").write(best))
     if kind == "resume":  # said, and the CSV rewritten, once its data and network are checked (restore)
         came = f" with the checkpoint in {where}, the newest; from now on the files go to {cfg.OUTPUT_DIR}"
         saved["told"] = [f"resuming after epoch {saved['epoch']} of {cfg.EPOCHS}{came * bool(handed)}", *lines]
@@ -97,10 +99,10 @@ def begin(cfg: SimpleNamespace, restart: str, handed: Any = None, where: str = "
     return kind, saved if kind == "resume" else None, cfg
 
 
-def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, identity: str, cfg: Any) -> list[dict]:
+def restore(checkpoint: dict | None, model: nn.Module, optimizer: Any, scaler: Any, identity: str, cfg: Any) -> list:
     """Every rank alike, before anything is said or changed: the checkpoint's data (`identity`) and network are this
-    run's. Loads the weights and optimizer state, then rank 0 says it resumes and rewrites the CSV (later rows are of
-    an epoch that runs again); returns the rows of the epochs done ([] for a new run, which INIT_FROM may start)."""
+    run's. Loads the weights, optimizer and loss scaler states, then rank 0 says it resumes and rewrites the CSV (later
+    rows are of an epoch that runs again); returns the rows of the epochs done ([] for a new run, INIT_FROM's too)."""
     history, folder = [], cfg.OUTPUT_DIR
     if dist.get_rank() != 0:  # rank 0 reads its files; the others know the epochs rank 0 took on: `history`'s rows
         done = int(checkpoint["epoch"]) if checkpoint else 0  # (failures.stops_go_on), or the resumed checkpoint's
@@ -117,6 +119,7 @@ def restore(checkpoint: dict | None, model: torch.nn.Module, optimizer: Any, ide
     for group, current in zip(checkpoint["optimizer"]["param_groups"], optimizer.param_groups, strict=True):
         group.update(fused=current.get("fused"), foreach=current.get("foreach"), lr=current["lr"])  # this machine's
     optimizer.load_state_dict(checkpoint["optimizer"])
+    scaler.load_state_dict(checkpoint["scaler"]) if checkpoint.get("scaler") and scaler.is_enabled() else None  # fp16
     history.extend(checkpoint["history"])
     if dist.get_rank() == 0:
         files.write_csv(history, folder)
@@ -202,28 +205,30 @@ def kept_files(output_dir: str, known: int | None = None) -> str:
     return f"{kept}: continue with --resume True"
 
 
-def _read(cfg: SimpleNamespace, restart: str) -> dict[str, Any] | None:
-    """The checkpoint in OUTPUT_DIR (None: there is none). An unreadable one is one line where the start would continue
-    it (a resume or restart never starts over in silence), and left alone otherwise (a new run moves it aside)."""
-    path = os.path.join(cfg.OUTPUT_DIR, files.CHECKPOINT_NAME)
+def _read(cfg: SimpleNamespace, restart: str, with_best: bool = False) -> dict[str, Any] | None:
+    """The checkpoint in OUTPUT_DIR (None: there is none), `with_best` with best.pt's bytes. An unreadable one is one
+    line where the start would continue it (a resume or restart never starts over in silence), else left alone."""
+    path, best = (os.path.join(cfg.OUTPUT_DIR, name) for name in (files.CHECKPOINT_NAME, files.BEST_NAME))
     try:
-        return files.load_checkpoint(cfg.OUTPUT_DIR) if os.path.exists(path) else None
+        saved = files.load_checkpoint(cfg.OUTPUT_DIR) if os.path.exists(path) else None
+        return saved | {"best.pt": open(best, "rb").read()} if saved and with_best and os.path.exists(best) else saved
     except Exception as e:
         if not (cfg.RESUME or restart):
             return None
         raise UserError(f"cannot read {path} ({failures.first_line(e, 80)}); put back a good copy or move it") from None
 
 
-def autocast_bf16(device: torch.device, amp: bool, model: nn.Module, image_size: int) -> tuple[bool, str]:
-    """Whether a run autocasts to bf16 (AMP, where bf16 is fast: GPUs from Ampere on, CPUs with native bf16), and the
-    first line's words for it: fp32 for a network that oneDNN's bf16 kernels get wrong on CPUs (cpu_bf16_faults)."""
+def precision(device: torch.device, wanted: str, model: nn.Module, image_size: int) -> str:
+    """PRECISION made concrete, in the first line's words (the first word: bf16, fp16 or fp32). "auto" is bf16 where
+    it is fast (GPUs from Ampere on, CPUs with native bf16), fp16 on older GPUs (T4, V100: fp16 tensor cores, no fast
+    bf16), else fp32; fp32 for a network that oneDNN's bf16 kernels get wrong on CPUs (cpu_bf16_faults)."""
     cpu = open("/proc/cpuinfo").read() if device.type == "cpu" and os.path.exists("/proc/cpuinfo") else ""  # (Linux)
-    fast = "avx512_bf16" in cpu or "amx_bf16" in cpu
-    bf16 = amp and (torch.cuda.get_device_capability(device) >= (8, 0) if device.type == "cuda" else fast)
-    faults = cpu_bf16_faults(model, image_size) if bf16 and device.type == "cpu" else []
-    if faults:
-        return False, f"fp32 (oneDNN's bf16 is wrong for {faults[0]} on CPUs: docs/cpu-kinds.md)"
-    return bf16, "bf16 autocast" if bf16 else "fp32"
+    if wanted == "auto":
+        fast = torch.cuda.get_device_capability(device) >= (8, 0) if device.type == "cuda" else "avx512_bf16" in cpu
+        wanted = "bf16" if fast else "fp16" if device.type == "cuda" else "fp32"
+    if faults := cpu_bf16_faults(model, image_size) if wanted == "bf16" and device.type == "cpu" else []:
+        return f"fp32 (oneDNN's bf16 is wrong for {faults[0]} on CPUs: docs/cpu-kinds.md)"
+    return {"bf16": "bf16 autocast", "fp16": "fp16 autocast, dynamic loss scaling", "fp32": "fp32"}[wanted]
 
 
 @torch.no_grad()
