@@ -1,11 +1,15 @@
 """Who each process is, and the seed's helpers for DDP: the one place that decides rank, device and backend.
 `run_distribute` starts the ranks here as torchrun does; in a rank, `setup` joins the group and `cleanup` leaves it."""
 
+import contextlib
 import datetime
 import gc
+import getpass
 import inspect
 import logging
 import os
+import sys
+import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -62,7 +67,10 @@ def world_size(requested: int) -> int:
 def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args: Any) -> None:
     """`entrypoint` (a program such as sys.executable, or a function) with `args` in `world_size` ranks here, through
     torchrun's engine: ChildFailedError when a rank fails (the others stopped), SignalException when we are stopped."""
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex, max_restarts=0)
+    logs = tempfile.TemporaryDirectory(prefix="torchelastic_")  # the agent's folder, removed as the run ends
+    inductor = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")  # torch._dynamo makes it
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, logs_specs=DefaultLogsSpecs(logs.name))
+    config.run_id, config.max_restarts = uuid.uuid4().hex, 0
     config.rdzv_backend, config.rdzv_endpoint = "c10d", "localhost:0"  # a standalone rendezvous on a free port
     config.local_addr = "127.0.0.1"  # else the agent hands the ranks this machine's hostname, which may not resolve
     config.monitor_interval = 0.1  # seconds between the agent's looks at the ranks: a failure stops the others at once
@@ -72,7 +80,8 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
         logging.getLogger(name).addHandler(logging.NullHandler())
         logging.getLogger(name).propagate = False
     failures.hold_stop_signals_for_ranks()
-    elastic_launch(config, entrypoint)(*args)
+    with logs, failures.removed_if_made_empty(inductor):  # (the compile cache stays where COMPILE filled it)
+        elastic_launch(config, entrypoint)(*args)
 
 
 def choose_device(local_rank: int, local_world_size: int, gpus: int) -> tuple[torch.device, str]:
@@ -93,6 +102,8 @@ def setup(timeout_s: float = 600.0) -> DistInfo:
     # destroy_process_group: one aborted the process at exit (16 of 115 runs). Imported first, it holds nothing.
     import torch.distributed.nn  # noqa: F401
 
+    with contextlib.suppress(AttributeError, KeyError, OSError):  # torch 2.4's folder in TMPDIR, unused: a rank
+        sys.modules["torch.distributed.nn.jit.instantiator"]._TEMP_DIR.cleanup()  # ends without removing it
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
