@@ -1,15 +1,19 @@
 """Classify images with a run's checkpoint, prepared exactly as the run's evaluation prepared its test images.
 
     python predict.py output/checkpoint.pt photo.png more_photos/ > predictions.csv
+    python predict.py output/best.pt images/test/ --confusion confusion > predictions.csv
 
-Each PATH is an image file or a folder, listed as training lists one. CSV on stdout, one row per image; on stderr
-`accuracy A on N images` where a PATH's sub-folders name classes (a run's test/). In code: README."""
+Each PATH is an image file or a folder, listed as training lists one. CSV on stdout, one row per image. Where a PATH's
+sub-folders name classes (a run's test/): each image's true class in the CSV, and on stderr `accuracy A on N images`,
+then a line per class; --confusion PREFIX writes PREFIX.csv (rows: true class, columns: predicted) and PREFIX.png."""
 
 import csv
 import os
 import sys
 from types import SimpleNamespace
 
+import numpy as np
+import pandas as pd
 import torch
 
 import data
@@ -29,7 +33,7 @@ class Classifier:
             raise UserError(f"{path} holds a network's weights alone; predict.py needs a run's checkpoint.pt")
         cfg = SimpleNamespace(**{**vars(settings.read(train_distribute, [])), **saved["config"]})
         self.classes, self.image_size = list(saved["data"]["classes"]), int(saved["data"]["image_size"])
-        self.bf16 = bool(saved.get("bf16", False))  # the run's evaluation's precision
+        self.precision = saved.get("precision", "bf16" if saved.get("bf16") else "fp32")  # its evaluation's
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = train_distribute.make_model(cfg, len(self.classes))
         if differs := start.compare_weights(self.model, weights)[1]:
@@ -46,7 +50,7 @@ class Classifier:
     @torch.no_grad()
     def probabilities(self, pixels: torch.Tensor) -> torch.Tensor:
         """The softmax of the logits the run's evaluation uses, for uint8 images (N, IMAGE_SIZE, IMAGE_SIZE, 3)."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):  # .module alone: fp32
+        with train_distribute.autocast(self.device, self.precision):  # .module alone: fp32
             return self.module(pixels.to(self.device)).cpu()
 
 
@@ -77,7 +81,9 @@ def image_paths(paths: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] in ("-h", "--help"):
+    at = argv.index("--confusion") if "--confusion" in argv else -1  # --confusion PREFIX, anywhere
+    confusion, argv = (argv[at + 1 : at + 2], argv[:at] + argv[at + 2 :]) if at >= 0 else ([""], argv)
+    if len(argv) < 2 or argv[0] in ("-h", "--help") or not confusion:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     try:
@@ -92,15 +98,42 @@ def main(argv: list[str]) -> int:
             raise UserError("none of the images could be read; give image files that open as images")
         if skipped := [i for i, ok in enumerate(readable) if not ok]:
             print(f"warning: {files.unreadable(skipped)}; skipped", file=sys.stderr)
+        truth = {path: name for path, name in listed.items() if name in classifier.classes}  # a class folder's images
+        rows = [[path, classifier.classes[p.argmax()], f"{p.max():.6f}", truth.get(path, "")] for path, p in found]
+        labelled = pd.DataFrame([row[1::2] for row in rows if row[3]], columns=["predicted", "true"], dtype=str)
+        if confusion[0]:  # before any output: a mistake writes nothing
+            write_confusion(labelled, classifier.classes, confusion[0])
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = [[path, classifier.classes[p.argmax()], f"{p.max():.6f}"] for path, p in found]
-    if labelled := [name == listed[path] for path, name, _ in rows if listed[path] in classifier.classes]:
-        print(f"accuracy {sum(labelled) / len(labelled):.4f} on {len(labelled):,} images", file=sys.stderr)
+    if len(right := labelled["predicted"] == labelled["true"]):
+        print(f"accuracy {right.mean():.4f} on {len(right):,} images", file=sys.stderr)
+        for name, of_class in right.groupby(labelled["true"]):  # which classes fail
+            print(f"class {name}: accuracy {of_class.mean():.4f} on {len(of_class):,} images", file=sys.stderr)
     failures.survive_closed_stdout()  # `predict.py ... | head`: the reader has what it wanted
-    csv.writer(sys.stdout, lineterminator="\n").writerows([["path", "class", "probability"], *rows])
+    csv.writer(sys.stdout, lineterminator="\n").writerows([["path", "class", "probability", "true_class"], *rows])
     return 0
+
+
+def write_confusion(labelled: pd.DataFrame, classes: list[str], prefix: str) -> None:
+    """PREFIX.csv: the images of each true class (rows) given each class (columns); PREFIX.png: the same, drawn."""
+    from matplotlib.figure import Figure
+
+    if not len(labelled):
+        raise UserError("--confusion needs images in folders named by the run's classes (a run's test/); give those")
+    if not os.access(folder := os.path.dirname(os.path.abspath(prefix)), os.W_OK):
+        raise UserError(f"--confusion {prefix}: cannot write into {folder}; give a PREFIX in a writable folder")
+    true, predicted = (pd.Categorical(labelled[key], categories=classes) for key in ("true", "predicted"))
+    counts = pd.crosstab(true, predicted, rownames=["true"], colnames=["predicted"], dropna=False)
+    counts.to_csv(f"{prefix}.csv")
+    figure = Figure(figsize=(2 + 0.5 * len(classes), 1.5 + 0.5 * len(classes)))
+    axes = figure.add_subplot(xlabel="predicted", ylabel="true", title="Confusion matrix (images)")
+    axes.imshow(counts.to_numpy(), cmap="Blues")
+    axes.set_xticks(range(len(classes)), classes, rotation=90)
+    axes.set_yticks(range(len(classes)), classes)
+    for (row, column), count in np.ndenumerate(counts.to_numpy()):
+        axes.text(column, row, count, ha="center", va="center", color="grey" if count else "lightgrey")
+    figure.savefig(f"{prefix}.png", dpi=110, bbox_inches="tight")
 
 
 if __name__ == "__main__":
