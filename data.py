@@ -12,6 +12,7 @@ import threading
 import warnings
 from contextlib import nullcontext
 from functools import cache, partial, reduce
+from itertools import compress
 from multiprocessing import forkserver, resource_tracker
 from types import SimpleNamespace
 from typing import Any
@@ -47,7 +48,7 @@ def prepare(cfg: SimpleNamespace) -> None:
     """Download CIFAR-10 into DATA_DIR unless it is there: one process per folder at a time (a file lock), since ranks
     downloading at once corrupt the archive. An image folder: both splits must hold the same classes."""
     if cfg.DATASET == "imagefolder":
-        train, test = set(list_folder(cfg.DATA_DIR, "train")[0]), set(test_listing(cfg)[0])
+        train, test = set(list_folder(cfg.DATA_DIR, "train")[0]), set(test_split(cfg)[0])
         only = {"train": train - test, "test": test - train} if test else {}
         if differ := "; ".join(f"only in {split}/: {', '.join(sorted(c)[:5])}" for split, c in only.items() if c):
             raise UserError(f"{cfg.DATA_DIR}/train and test/ hold other classes ({differ}); give both the same folders")
@@ -87,7 +88,7 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
     options = {"mean": mean, "std": std, "device": info.device, "memory_format": memory_format}
     kind, how, found = MemoryLoader, "memory", None  # the memory loader's splits: uint8 NHWC images and their labels
     if cfg.DATASET == "imagefolder":
-        (classes, train), (_, test) = list_folder(cfg.DATA_DIR, "train"), test_listing(cfg)
+        (classes, train), (_, test) = list_folder(cfg.DATA_DIR, "train"), test_split(cfg)
         cores = len(os.sched_getaffinity(0)) // info.local_world_size  # this rank's share of the machine
         small = sum(os.path.getsize(path) for path, _ in train + test) <= IN_RANK_BYTES
         workers = cfg.NUM_WORKERS if cfg.NUM_WORKERS >= 0 else 0 if small else max(1, cores - 1)
@@ -103,15 +104,12 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
             kind, how, options = StreamLoader, f"stream, {workers} worker(s) per rank", {**options, "workers": workers}
     elif cfg.DATASET == "synthetic":
         source, n, classes = "generated", cfg.SYNTHETIC_SIZE, [f"class_{c}" for c in range(SYNTHETIC_CLASSES)]
-        train, test = (
-            make_synthetic(size, cfg.SEED, part, cfg.IMAGE_SIZE) for part, size in enumerate((n, n // 5 or 1))
-        )
-        splits = [*hold_out(train, cfg), test]
+        train, test = (make_synthetic(size, cfg.SEED, p, cfg.IMAGE_SIZE) for p, size in enumerate((n, n // 5 or 1)))
     else:
         cifar = [_cifar10(cfg.DATA_DIR, train) for train in (True, False)]
         classes, source = cifar[0].classes, "CIFAR-10"
         train, test = ((torch.from_numpy(c.data), torch.tensor(c.targets)) for c in cifar)
-        splits = [*hold_out(train, cfg), test]
+    splits = splits if cfg.DATASET == "imagefolder" else [*hold_out(train, cfg), test]  # (images, labels) tensors
     augments = (cfg.AUGMENT, False, False)  # train, val (HOLDOUT's), test: the evaluation splits in the CSV's order
     train, val, test = (kind(s, a, **options) if s is not None else None for s, a in zip(splits, augments, strict=True))
     if len(train) < cfg.BATCH_SIZE:
@@ -138,8 +136,8 @@ def make_synthetic(size: int, seed: int, split: int, image_size: int = 32) -> tu
 
 
 def hold_out(split: Any, cfg: SimpleNamespace) -> tuple[Any, Any]:
-    """(train, held out or None): HOLDOUT of each class's images (rounded), drawn by SEED alone: the same on every rank
-    and at every start. `split`: (images, labels) tensors, or a folder's (path, label) list."""
+    """(train, held out or None) of (images, labels) or a (path, label) list: HOLDOUT of each class's images, drawn by
+    SEED alone (the same on every rank and every start)."""
     labels = split[1] if isinstance(split, tuple) else torch.tensor([label for _, label in split], dtype=torch.long)
     held, generator = torch.zeros(len(labels), dtype=torch.bool), torch.Generator().manual_seed(cfg.SEED)
     for label in labels.unique().tolist():
@@ -149,16 +147,14 @@ def hold_out(split: Any, cfg: SimpleNamespace) -> tuple[Any, Any]:
         return split, None
     if isinstance(split, tuple):
         return (split[0][~held], labels[~held]), (split[0][held], labels[held])
-    pairs = list(zip(split, held.tolist(), strict=True))
-    return [s for s, h in pairs if not h], [s for s, h in pairs if h]
+    return list(compress(split, (~held).tolist())), list(compress(split, held.tolist()))
 
 
 # ----------------------------------------------------------------------------- image folders
-def test_listing(cfg: SimpleNamespace) -> tuple[list[str], list[tuple[str, int]]]:
-    """test/'s classes and images; none for a folder without test/ when HOLDOUT holds out images to evaluate on."""
-    if cfg.HOLDOUT and not os.path.isdir(os.path.join(cfg.DATA_DIR, "test")):
-        return [], []
-    return list_folder(cfg.DATA_DIR, "test")
+def test_split(cfg: SimpleNamespace) -> tuple[list[str], list[tuple[str, int]]]:
+    """test/'s listing; with HOLDOUT none for a folder without test/ (the held-out images are evaluated)."""
+    missing = cfg.HOLDOUT and not os.path.exists(os.path.join(cfg.DATA_DIR, "test"))
+    return ([], []) if missing else list_folder(cfg.DATA_DIR, "test")
 
 
 def list_folder(data_dir: str, split: str) -> tuple[list[str], list[tuple[str, int]]]:

@@ -68,7 +68,6 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
     """`entrypoint` (a program such as sys.executable, or a function) with `args` in `world_size` ranks here, through
     torchrun's engine: ChildFailedError when a rank fails (the others stopped), SignalException when we are stopped."""
     logs = tempfile.TemporaryDirectory(prefix="torchelastic_")  # the agent's folder, removed as the run ends
-    inductor = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")  # torch._dynamo makes it
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, logs_specs=DefaultLogsSpecs(logs.name))
     config.run_id, config.max_restarts = uuid.uuid4().hex, 0
     config.rdzv_backend, config.rdzv_endpoint = "c10d", "localhost:0"  # a standalone rendezvous on a free port
@@ -80,8 +79,13 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
         logging.getLogger(name).addHandler(logging.NullHandler())
         logging.getLogger(name).propagate = False
     failures.hold_stop_signals_for_ranks()
-    with logs, failures.removed_if_made_empty(inductor):  # (the compile cache stays where COMPILE filled it)
-        elastic_launch(config, entrypoint)(*args)
+    made = not os.path.exists(inductor := os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+    try:
+        with logs:
+            elastic_launch(config, entrypoint)(*args)
+    finally:
+        with contextlib.suppress(OSError):  # made by torch._dynamo's import in the ranks, and empty: removed
+            os.rmdir(inductor) if made else None
 
 
 def choose_device(local_rank: int, local_world_size: int, gpus: int) -> tuple[torch.device, str]:

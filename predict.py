@@ -12,7 +12,6 @@ import os
 import sys
 from types import SimpleNamespace
 
-import numpy as np
 import pandas as pd
 import torch
 
@@ -131,8 +130,8 @@ def write_confusion(labelled: pd.DataFrame, classes: list[str], prefix: str) -> 
     axes.imshow(counts.to_numpy(), cmap="Blues")
     axes.set_xticks(range(len(classes)), classes, rotation=90)
     axes.set_yticks(range(len(classes)), classes)
-    for (row, column), count in np.ndenumerate(counts.to_numpy()):
-        axes.text(column, row, count, ha="center", va="center", color="grey" if count else "lightgrey")
+    for (true, predicted), count in counts.stack().items():  # each cell's count, written on it
+        axes.text(classes.index(predicted), classes.index(true), count, ha="center", va="center", color="grey")
     figure.savefig(f"{prefix}.png", dpi=110, bbox_inches="tight")
 
 

@@ -150,7 +150,7 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
             epoch_started = time.perf_counter()
             (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
             due = epoch % cfg.EVAL_EVERY == 0 or epoch == cfg.EPOCHS  # the last: its acc is the final checkpoint's
-            scores = evaluate(run) if due else dict.fromkeys(files.score_columns(run.eval_data), math.nan)  # DDP: all
+            scores = evaluate(run, due)  # DDP: every rank alike (when due)
             epoch_seconds = time.perf_counter() - epoch_started
             # DDP: every rank; rank 0 waits for the previous epoch's files (a failed write stops every rank). From the
             # meeting on a stop waits while rank 0 hands this epoch's files over: every rank names the same kept epoch
@@ -170,9 +170,8 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
             history.append(row)
             if writer:  # checkpoint.pt: weights (no DDP prefixes), optimizer, rows, what resume and predict.py need
                 state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "history": history}
-                state |= {"epoch": epoch, "config": vars(cfg), "data": run.data, "precision": run.precision}
-                state["scaler"] = run.scaler.state_dict()  # fp16's loss scale: a resume goes on with it ({} if off)
-                state["ranks"] = info.world_size  # a resume on another number of ranks says that the numbers change
+                state |= {"epoch": epoch, "config": vars(cfg), "data": run.data, "ranks": info.world_size}  # ranks: a
+                state |= {"precision": run.precision, "scaler": run.scaler.state_dict()}  # resume on others says so
                 writer.submit(state, history)
                 shown = "  ".join(f"{key} {row[key]:.4f}" for key in ("loss", *scores)) + f"  lr {lr:.4g}"
                 speed = f"{epoch_seconds:.1f} s  {row['images_per_second']:,.0f} img/s"
@@ -204,8 +203,8 @@ def lr_at(step: int, total_steps: int, peak: float, schedule: str, warmup: float
 
 
 def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
-    """One epoch of training steps. Returns the all-ranks sums [loss x images, correct, images], this rank's seconds
-    of training steps and the last step's learning rate."""
+    """One epoch of training steps: the all-ranks sums [loss x images, correct, images], this rank's seconds of
+    training steps, the last step's learning rate."""
     cfg, info = run.cfg, run.info
     steps = run.train_data.steps_per_epoch(cfg.BATCH_SIZE)
     sums = torch.zeros(3, device=info.device)  # on the device: no host sync per step
@@ -253,9 +252,12 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, sums: torc
 
 # ----------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate(run: Run) -> dict[str, float]:
-    """Mean loss and accuracy of each evaluation split (files.score_columns names them), each image exactly once:
-    every rank evaluates its own part with the plain network (never the DDP wrapper), then the sums meet."""
+def evaluate(run: Run, due: bool = True) -> dict[str, float]:
+    """Accuracy and mean loss of each evaluation split, each image exactly once (NaN where not `due`): every rank
+    evaluates its own part with the plain network (never the DDP wrapper), then the sums meet."""
+    names = [n for s in run.eval_data for n in (("acc", "test_loss") if s == "test" else ("val_acc", "val_loss"))]
+    if not due:
+        return dict.fromkeys(names, math.nan)
     for buffer in run.model.buffers():  # DDP: every rank evaluates with rank 0's BatchNorm statistics
         dist.broadcast(buffer, src=0)
     run.model.eval()
@@ -270,7 +272,7 @@ def evaluate(run: Run) -> dict[str, float]:
     run.model.train()
     dist.all_reduce(sums)  # DDP: every split's sums over all ranks, at once
     scores = [value for loss, correct, images in sums.tolist() for value in (correct / images, loss / images)]
-    return dict(zip(files.score_columns(run.eval_data), scores, strict=True))
+    return dict(zip(names, scores, strict=True))  # acc, test_loss; val_acc, val_loss
 
 
 def autocast(device: torch.device, precision: str) -> torch.autocast:

@@ -152,17 +152,6 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
                 raise
 
 
-@contextlib.contextmanager
-def removed_if_made_empty(folder: str) -> Any:
-    """A folder that did not exist before the block and is empty after it is removed (a launch leaves no trace)."""
-    made = not os.path.exists(folder)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):  # not empty, or gone: left as it is
-            os.rmdir(folder) if made else None
-
-
 def kept_alive(group: Any) -> Any:
     """`group`, kept where freeing it can hang (torch 2.4 to 2.7 free it holding Python's lock while joining a thread
     that may need the lock to free a collective's tensors: pytorch#154976); run_rank ends the process without it."""

@@ -65,7 +65,7 @@ class ResultWriter:
 
     def _write(self, snapshot: dict[str, Any], history: list[dict]) -> None:
         checkpoint, best = (os.path.join(self.output_dir, name) for name in (CHECKPOINT_NAME, BEST_NAME))
-        if is_best := best_row(history) is history[-1]:  # first: no checkpoint names a best epoch not in best.pt
+        if is_best := best_row(history)[1] is history[-1]:  # first: no checkpoint names a best epoch not in best.pt
             write_atomically(best, lambda tmp: torch.save(snapshot, tmp))
         write_atomically(checkpoint, lambda tmp: shutil.copyfile(best, tmp) if is_best else torch.save(snapshot, tmp))
         write_csv(history, self.output_dir)  # after the checkpoint: the CSV can always be rebuilt from it
@@ -130,7 +130,7 @@ def plot(history: list[dict], output_dir: str) -> None:
     rows.filter(["loss", "test_loss", "val_loss"]).plot(
         ax=loss, style="o-", title="Loss (train: label-smoothed)", grid=True
     )
-    best = f"Accuracy, % (best {(key := selection(history))} {100 * rows[key].max():.2f})"
+    best = f"Accuracy, % (best {(key := best_row(history)[0])} {100 * rows[key].max():.2f})"
     (100 * rows.filter(["acc", "val_acc", "train_acc"])).plot(ax=accuracy, style="o-", title=best, grid=True)
     rows.lr.plot(ax=lr, style="o-", title="Learning rate (at epoch end)", grid=True)
     write_atomically(os.path.join(output_dir, PLOT_NAME), lambda tmp: figure.savefig(tmp, dpi=110, format="png"))
@@ -155,10 +155,8 @@ def describe(model: torch.nn.Module, cfg: Any, info: Any, data: dict, steps: int
     ranks = f"{info.world_size} rank(s) on {info.device.type} ({info.backend})"
     run = f"{batches}, {cfg.EPOCHS} epochs | {cfg.OPTIMIZER} | {precision}"
     run += " | compiled: epoch 1 includes the compile time" if cfg.COMPILE else ""
-    if cfg.SCHEDULE != "constant" and steps * cfg.EPOCHS < 10:  # a warm-up and a decay need a few steps
-        run += (
-            f" | only {steps * cfg.EPOCHS} steps in all, too few for {cfg.SCHEDULE}: lower --batch_size or add epochs"
-        )
+    if cfg.SCHEDULE != "constant" and (total := steps * cfg.EPOCHS) < 10:  # a warm-up and a decay need a few steps
+        run += f" | only {total} steps in all, too few for {cfg.SCHEDULE}: lower --batch_size or add epochs"
     if not isinstance(model, ResNet) and cfg.OPTIMIZER != "adam":  # Muon's and SGD's LR suit the template's ResNet
         run += f" | {cfg.OPTIMIZER}'s LR was tuned for resnet.py's ResNet: for another network try {OTHER_NETWORKS}"
     return f"{type(model).__name__}({parameters}) | {images} | loader {data['loader']} | {ranks} | {run}"
@@ -181,27 +179,17 @@ def progress(batches: Iterable, steps: int, epoch: int, cfg: Any) -> Iterator:
             print(f"epoch {epoch}/{cfg.EPOCHS}: {done}, {(steps - step) / rate / 60:.1f} min left", flush=True)
 
 
-def score_columns(splits: Iterable[str]) -> list[str]:
-    """The CSV's columns of each evaluation split: acc and test_loss of "test", val_acc and val_loss of "val"."""
-    return [name for split in splits for name in (("acc", "test_loss") if split == "test" else ("val_acc", "val_loss"))]
-
-
-def selection(history: list[dict]) -> str:
-    """The column that picks the best epoch: the held-out split's accuracy where HOLDOUT made one, else the test's."""
-    return "val_acc" if "val_acc" in history[0] else "acc"
-
-
-def best_row(history: list[dict]) -> dict | None:
-    """The epoch of the best selection accuracy, the later on a tie; an epoch without evaluation (NaN) never is."""
-    key = selection(history)
-    evaluated = [row for row in history if pd.notna(row.get(key))]
-    return max(reversed(evaluated), key=lambda row: row[key]) if evaluated else None
+def best_row(history: list[dict]) -> tuple[str, dict | None]:
+    """The column that picks the best epoch (HOLDOUT's val_acc, else acc) and that epoch's row (the later on a tie)."""
+    key = "val_acc" if "val_acc" in history[0] else "acc"
+    evaluated = [row for row in history if pd.notna(row[key])]
+    return key, max(reversed(evaluated), key=lambda row: row[key]) if evaluated else None
 
 
 def summary_line(history: list[dict], output_dir: str) -> str:
     """The last line: the best epoch (its checkpoint: best.pt) and the last evaluated one, by the selection column."""
-    done, where, key = f"done: {len(history)} epochs", f"results in {output_dir}", selection(history)
-    if not (best := best_row(history)):
+    (key, best), done, where = best_row(history), f"done: {len(history)} epochs", f"results in {output_dir}"
+    if not best:
         return f"{done}; {where}"
     final = [row[key] for row in history if pd.notna(row[key])][-1]
     return f"{done}; best {key} {best[key]:.4f} (epoch {best['epoch']}: {BEST_NAME}), final {key} {final:.4f}; {where}"

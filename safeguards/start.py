@@ -90,9 +90,9 @@ def begin(cfg: SimpleNamespace, restart: str, handed: Any = None, where: str = "
         os.remove(name)
     if kind == "new" and (moved := move_aside(cfg.OUTPUT_DIR)):
         print(f"moved the earlier run's results in {cfg.OUTPUT_DIR} to {moved}", flush=True)
-    if kind == "resume" and (best := saved.pop("best.pt", None)):  # the holder's best.pt goes where files go now
-        files.write_atomically(os.path.join(cfg.OUTPUT_DIR, files.BEST_NAME), lambda tmp: open(tmp, "wb").write(best))
     if kind == "resume":  # said, and the CSV rewritten, once its data and network are checked (restore)
+        best, path = saved.pop("best.pt", None), os.path.join(cfg.OUTPUT_DIR, files.BEST_NAME)  # the holder's
+        files.write_atomically(path, lambda tmp: open(tmp, "wb").write(best)) if best else None  # goes where files go
         came = f" with the checkpoint in {where}, the newest; from now on the files go to {cfg.OUTPUT_DIR}"
         saved["told"] = [f"resuming after epoch {saved['epoch']} of {cfg.EPOCHS}{came * bool(handed)}", *lines]
     failures.tell_kept_files(lambda: kept_files(cfg.OUTPUT_DIR))
@@ -100,9 +100,8 @@ def begin(cfg: SimpleNamespace, restart: str, handed: Any = None, where: str = "
 
 
 def restore(checkpoint: dict | None, model: nn.Module, optimizer: Any, scaler: Any, identity: str, cfg: Any) -> list:
-    """Every rank alike, before anything is said or changed: the checkpoint's data (`identity`) and network are this
-    run's. Loads the weights, optimizer and loss scaler states, then rank 0 says it resumes and rewrites the CSV (later
-    rows are of an epoch that runs again); returns the rows of the epochs done ([] for a new run, INIT_FROM's too)."""
+    """Every rank alike, once the checkpoint's data (`identity`) and network are this run's: weights, optimizer and
+    loss scaler; rank 0 says it resumes and rewrites the CSV. The rows of the epochs done ([] for a new run)."""
     history, folder = [], cfg.OUTPUT_DIR
     if dist.get_rank() != 0:  # rank 0 reads its files; the others know the epochs rank 0 took on: `history`'s rows
         done = int(checkpoint["epoch"]) if checkpoint else 0  # (failures.stops_go_on), or the resumed checkpoint's
@@ -219,9 +218,8 @@ def _read(cfg: SimpleNamespace, restart: str, with_best: bool = False) -> dict[s
 
 
 def precision(device: torch.device, wanted: str, model: nn.Module, image_size: int) -> str:
-    """PRECISION made concrete, in the first line's words (the first word: bf16, fp16 or fp32). "auto" is bf16 where
-    it is fast (GPUs from Ampere on, CPUs with native bf16), fp16 on older GPUs (T4, V100: fp16 tensor cores, no fast
-    bf16), else fp32; fp32 for a network that oneDNN's bf16 kernels get wrong on CPUs (cpu_bf16_faults)."""
+    """PRECISION in the first line's words (the first: bf16, fp16 or fp32). auto: bf16 where it is fast (GPUs from
+    Ampere on, CPUs with native bf16), fp16 on older GPUs (T4, V100: fp16 tensor cores), else fp32 (cpu_bf16_faults)."""
     cpu = open("/proc/cpuinfo").read() if device.type == "cpu" and os.path.exists("/proc/cpuinfo") else ""  # (Linux)
     if wanted == "auto":
         fast = torch.cuda.get_device_capability(device) >= (8, 0) if device.type == "cuda" else "avx512_bf16" in cpu
