@@ -104,12 +104,12 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
             kind, how, options = StreamLoader, f"stream, {workers} worker(s) per rank", {**options, "workers": workers}
     elif cfg.DATASET == "synthetic":
         source, n, classes = "generated", cfg.SYNTHETIC_SIZE, [f"class_{c}" for c in range(SYNTHETIC_CLASSES)]
-        train, test = (make_synthetic(size, cfg.SEED, p, cfg.IMAGE_SIZE) for p, size in enumerate((n, n // 5 or 1)))
+        splits = [make_synthetic(size, cfg.SEED, split, cfg.IMAGE_SIZE) for split, size in enumerate((n, n // 5 or 1))]
     else:
         cifar = [_cifar10(cfg.DATA_DIR, train) for train in (True, False)]
         classes, source = cifar[0].classes, "CIFAR-10"
-        train, test = ((torch.from_numpy(c.data), torch.tensor(c.targets)) for c in cifar)
-    splits = splits if cfg.DATASET == "imagefolder" else [*hold_out(train, cfg), test]  # (images, labels) tensors
+        splits = [(torch.from_numpy(c.data), torch.tensor(c.targets)) for c in cifar]
+    splits = [*hold_out(splits[0], cfg), splits[1]] if len(splits) == 2 else splits  # (an image folder's: done)
     augments = (cfg.AUGMENT, False, False)  # train, val (HOLDOUT's), test: the evaluation splits in the CSV's order
     train, val, test = (kind(s, a, **options) if s is not None else None for s, a in zip(splits, augments, strict=True))
     if len(train) < cfg.BATCH_SIZE:

@@ -98,7 +98,7 @@ def project_counts(args: argparse.Namespace, info: DistInfo) -> OpCounter:
     """train_distribute's own epoch, with the settings a user runs (and bf16 autocast on, as on a GPU)."""
     cfg = settings.read(td, project_settings(args))
     run = td.build_run(cfg, info)
-    run.bf16 = True  # as on a GPU, also where this CPU would train in fp32
+    run.precision = "bf16 autocast"  # as on a GPU, also where this CPU would train in fp32
     run.optimizer = muon.make_optimizer(cfg, run.model, td.peak_lr(cfg), info.device, True)
     files.PROGRESS_EVERY = float("inf")  # no progress lines between the figures
     td.train_epoch(run, 1)
@@ -112,7 +112,7 @@ def project_settings(args: argparse.Namespace) -> list[str]:
     return [f"--width={args.width}", f"--batch_size={args.batch_size}", "--dataset=synthetic", "--world_size=1"] + [
         f"--synthetic_size={size}",
         "--compile=False",
-        "--amp=True",
+        "--precision=bf16",
         "--epochs=2",
         f"--accumulate={args.accumulate}",
     ]

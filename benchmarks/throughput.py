@@ -29,6 +29,7 @@ runs as its own command. --results FILE keeps every figure so far in a JSON file
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,9 +51,8 @@ import train_distribute as td
 from data import make_synthetic
 from distribute_tools import choose_device
 from resnet import ResNet
-from safeguards import failures, files, settings
+from safeguards import failures, files, settings, start
 from safeguards.failures import UserError
-from safeguards.start import autocast_bf16
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, for the MFU line
@@ -66,7 +66,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (seed pipeline and ceiling)")
     parser.add_argument("--compiled", choices=["auto", "yes", "no"], default="auto", help="(b') too; auto: on GPUs")
-    parser.add_argument("--amp", default="True", help="False: (b) and (c) in fp32 even where bf16 is fast")
+    parser.add_argument(
+        "--precision", default="auto", help="(b) and (c) in this PRECISION (fp32: even if bf16 is fast)"
+    )
     parser.add_argument("--skip_seed", action="store_true", help="only (b) and (c)")
     parser.add_argument("--optimizer", default="", help="(b) and (c) with this OPTIMIZER, not the default one")
     parser.add_argument("--results", default="", help="a JSON file of the figures so far, rewritten after each one")
@@ -216,7 +218,7 @@ def run_project(args: argparse.Namespace, world_size: int, compile: bool) -> dic
             "--epochs=2",
             f"--output_dir={out}",
             f"--compile={compile}",
-            f"--amp={args.amp}",
+            f"--precision={args.precision}",
             *optimizer_setting(args),
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RESNET_DDP_", "TORCHELASTIC_"))}
@@ -231,7 +233,7 @@ def run_project(args: argparse.Namespace, world_size: int, compile: bool) -> dic
         if process.returncode != 0 or first_epoch is None:
             sys.exit(f"the project's training failed (exit {process.returncode}): " + " | ".join(lines[-3:]))
         rows = pd.read_csv(os.path.join(out, files.CSV_NAME))
-    precision = next(("bf16" if "bf16 autocast" in line else "fp32" for line in lines if "| global batch" in line), "?")
+    precision = next((re.search(r"\| (bf16|fp16|fp32)", line)[1] for line in lines if "| global batch" in line), "?")
     last = rows.iloc[-1]
     return {
         "images_per_second": float(last["images_per_second"]),
@@ -257,12 +259,12 @@ def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format
     torch.backends.cudnn.benchmark = True  # as the project sets it
     model = ResNet(args.width)
     model = model.to(device, memory_format=memory_format)
-    amp = autocast_bf16(device, args.amp.lower() in ("true", "1", "yes"), model, 32)[0]  # as the settings read --amp
+    precision = start.precision(device, args.precision, model, 32)  # as the run's
     cfg = settings.read(td, [f"--batch_size={args.batch_size}", *optimizer_setting(args)])
-    optimizer = muon.make_optimizer(cfg, model, td.peak_lr(cfg), device, amp)
+    optimizer = muon.make_optimizer(cfg, model, td.peak_lr(cfg), device, precision.startswith("bf16"))
     x = torch.randn(args.batch_size, 3, 32, 32, device=device).contiguous(memory_format=memory_format)
     y = torch.randint(10, (args.batch_size,), device=device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
+    autocast = td.autocast(device, precision)
 
     def step() -> None:
         with autocast:
@@ -323,7 +325,7 @@ def main() -> None:
     except UserError as e:
         sys.exit(f"error: {e}")
     device, backend = choose_device(0, 1, gpu_count())
-    fast = autocast_bf16(device, True, torch.nn.Identity(), 8)[0] if device.type == "cpu" else False  # the run's rule
+    fast = start.precision(device, "auto", torch.nn.Identity(), 8).startswith("bf16") if device.type == "cpu" else 0
     name, bf16_fast = gpu_facts() if device.type == "cuda" else (f"{cpu_kind()}, {cores()} cores", fast)
     compiled = args.compiled == "yes" or (args.compiled == "auto" and device.type == "cuda")
     print(

@@ -377,7 +377,7 @@ def test_epochs_without_evaluation_leave_the_summary_and_the_picture_whole(tmp_p
     ]
     assert (
         files.summary_line(history, "out")
-        == "done: 5 epochs; best acc 0.4000 (epoch 4), final acc 0.4000; results in out"
+        == "done: 5 epochs; best acc 0.4000 (epoch 4: best.pt), final acc 0.4000; results in out"
     )
     assert files.summary_line(history[:1], "out") == "done: 1 epochs; results in out"
     files.plot(history, str(tmp_path))

@@ -77,15 +77,24 @@ def rows(stdout: str) -> list[dict]:
     return list(csv.DictReader(io.StringIO(stdout)))
 
 
-def test_predict_on_the_runs_own_test_folder_gives_its_final_accuracy(trained):
+def test_predict_on_the_runs_own_test_folder_gives_its_final_accuracy_and_each_classes(trained):
     """Over exactly the images the run evaluated (training's listing: the nested one counted under its class, the
     hidden ones skipped without a word, the one beside the class folders classified but not counted), in the run's
-    precision: the run's accuracy."""
+    precision: the run's accuracy; each image's true class beside the predicted one, and a line per class."""
     out, test = trained
     result = predict(out / "checkpoint.pt", test)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("path,class,probability\n")
+    assert result.stdout.startswith("path,class,probability,true_class\n")
     found = rows(result.stdout)
+    truth = {row["path"]: Path(row["path"]).relative_to(test).parts[0] for row in found}
+    assert all(
+        row["true_class"] == (truth[row["path"]] if truth[row["path"]] in CLASSES.values() else "") for row in found
+    )
+    per_class = [
+        f"class {name}: accuracy {sum(r['class'] == name for r in of) / len(of):.4f} on {len(of)} images"
+        for name in sorted(CLASSES.values())
+        for of in [[row for row in found if row["true_class"] == name]]
+    ]
     evaluated = [path for path, _ in data.list_folder(str(test.parent), "test")[1]]
     assert (
         len(evaluated) == 60
@@ -94,16 +103,16 @@ def test_predict_on_the_runs_own_test_folder_gives_its_final_accuracy(trained):
     assert [row["path"] for row in found] == sorted([*evaluated, str(test / "beside.png")])
     assert all(0.5 <= float(row["probability"]) <= 1 for row in found)  # the likeliest of two classes
     right = sum(Path(row["path"]).relative_to(test).parts[0] == row["class"] for row in found)
-    assert lines(result.stderr) == [f"accuracy {right / 60:.4f} on 60 images"]
+    assert lines(result.stderr) == [f"accuracy {right / 60:.4f} on 60 images", *per_class]
     final = pd.read_csv(out / "pytorch_res.csv")["acc"].iloc[-1]
     assert right == round(final * 60), (right, final)
 
 
-@pytest.fixture(scope="module")
-def near_tie_run(trained, tmp_path_factory) -> tuple[str, Path, subprocess.CompletedProcess]:
+@pytest.fixture(scope="module", params=["auto", "fp16"])
+def near_tie_run(trained, tmp_path_factory, request) -> tuple[str, Path, subprocess.CompletedProcess]:
     """A test folder of near ties: blends of the two classes' images around where the trained network's fp32 class
     changes, evaluated by a run that starts from it (an epoch at a negligible LR: the same weights, BatchNorm's
-    statistics drawn again); its checkpoint, the folder and predict.py's answer on it."""
+    statistics drawn again) in this PRECISION; its checkpoint, the folder and predict.py's answer on it."""
     from predict import Classifier
 
     out, test = trained
@@ -114,7 +123,7 @@ def near_tie_run(trained, tmp_path_factory) -> tuple[str, Path, subprocess.Compl
     near_ties(Classifier(str(out / "checkpoint.pt"), device="cpu"), test, images / "test")
     run = [*TINY, "--dataset=imagefolder", f"--data_dir={images}", "--image_size=16", "--epochs=1", "--num_workers=0"]
     run += ["--lr=1e-12", "--augment=False", f"--init_from={out / 'checkpoint.pt'}", f"--output_dir={tmp / 'out'}"]
-    assert run_script(*run).returncode == 0
+    assert run_script(*run, f"--precision={request.param}").returncode == 0
     checkpoint = str(tmp / "out" / "checkpoint.pt")
     return checkpoint, images, predict(checkpoint, images / "test")
 
@@ -127,33 +136,37 @@ def test_predict_gives_the_runs_classes_and_accuracy_on_near_ties(near_tie_run):
     checkpoint, _, found = near_tie_run
     acc = pd.read_csv(Path(checkpoint).parent / "pytorch_res.csv")["acc"]
     count = len(rows(found.stdout))
-    assert lines(found.stderr) == [f"accuracy {acc.iloc[-1]:.4f} on {count} images"], (found.stderr, acc)
+    assert lines(found.stderr)[0] == f"accuracy {acc.iloc[-1]:.4f} on {count} images", (found.stderr, acc)
     classifier = Classifier(checkpoint, device="cpu")
     paths = [row["path"] for row in rows(found.stdout)]
     assert [classifier.classes[i] for i in classifier(paths).argmax(1)] == [row["class"] for row in rows(found.stdout)]
 
 
 @TEMPLATE_ONLY
-def test_near_ties_are_where_bf16_and_fp32_differ(near_tie_run):
+def test_near_ties_are_where_the_runs_precision_and_fp32_differ(near_tie_run):
     """The premise of the test above, for the template's ResNet: where the run evaluated in bf16 (a CPU with native
     bf16), fp32 gives other classes on that folder (7 of 210 images on a CPU with AMX), so that computing in the run's
-    precision is what makes predict.py's classes the run's."""
+    precision is what makes predict.py's classes the run's. fp16 rounds 8 times finer: its probabilities differ."""
     from predict import Classifier
 
     checkpoint, _, found = near_tie_run
-    if not torch.load(checkpoint, weights_only=True)["bf16"]:
+    precision = torch.load(checkpoint, weights_only=True)["precision"]
+    if precision.startswith("fp32"):
         pytest.skip("the run computed in fp32 on this CPU: no other precision to differ from")
     classifier, paths = Classifier(checkpoint, device="cpu"), [row["path"] for row in rows(found.stdout)]
-    in_its_precision = classifier(paths).argmax(1)
-    classifier.bf16 = False
-    assert (classifier(paths).argmax(1) != in_its_precision).any()
+    in_its_precision = classifier(paths)
+    classifier.precision = "fp32"
+    if precision.startswith("fp16"):
+        assert (classifier(paths) - in_its_precision).abs().max() > 1e-4
+    else:
+        assert (classifier(paths).argmax(1) != in_its_precision.argmax(1)).any()
 
 
 def near_ties(classifier, test: Path, folder: Path, pairs: int = 10, steps: int = 21) -> None:
     """For each pair of the test folder's images (one of each class), blends at `steps` shares of the second around
     the share where the classifier's fp32 class changes, 1/1000 apart, labelled as classified there, as 16x16 PNGs in
     `folder`/<class>/."""
-    classifier.bf16 = False
+    classifier.precision = "fp32"
     firsts, seconds = (sorted((test / name).glob("[0-9]*.png"))[:pairs] for name in CLASSES.values())
     for n, (a, b) in enumerate(zip(firsts, seconds, strict=True)):
         a, b = (torch.from_numpy(data.decode(str(path), 16)).double() for path in (a, b))
@@ -214,7 +227,7 @@ def test_files_that_cannot_be_decoded_in_a_folder_are_skipped_with_a_warning_tha
         path.write_bytes(b"not an image")
     result = predict(out / "checkpoint.pt", tmp_path / "test")
     assert result.returncode == 0 and len(rows(result.stdout)) == 61
-    warning, accuracy = lines(result.stderr)
+    warning, accuracy, *per_class = lines(result.stderr)
     assert warning == f"warning: 2 of 63 images cannot be read: {broken[1]}, {broken[0]}; skipped"
     assert accuracy.startswith("accuracy ") and accuracy.endswith(" on 60 images")  # the images it could read
 
@@ -240,7 +253,7 @@ def test_output_cut_short_by_the_reader_ends_without_a_traceback(trained, tmp_pa
     open(fifo).close()  # opened once predict.py opened it for its output; closed before it writes
     run.wait(HANG_TIMEOUT)
     err = Path(run.stderr_path).read_text()
-    assert run.returncode == 0 and "Traceback" not in err and lines(err)[-1].startswith("accuracy "), err
+    assert run.returncode == 0 and "Traceback" not in err and lines(err)[-3].startswith("accuracy "), err
 
 
 @pytest.mark.parametrize(
@@ -252,11 +265,17 @@ def test_output_cut_short_by_the_reader_ends_without_a_traceback(trained, tmp_pa
         ("missing path", "does not exist"),
         ("folder without images", "is no image and holds none"),
         ("another network", "holds another network than make_model builds ("),
+        ("confusion into a missing folder", "--confusion "),
+        ("confusion of unlabelled images", "--confusion needs images in folders named by the run's classes"),
     ],
 )
 def test_bad_input_is_one_line_with_exit_2(trained, tmp_path, problem, words):
     out, test = trained
-    checkpoint, path = out / "checkpoint.pt", test
+    checkpoint, path, extra = out / "checkpoint.pt", test, ["--confusion", tmp_path / "confusion"]
+    if problem == "confusion into a missing folder":
+        extra = ["--confusion", tmp_path / "no such folder" / "confusion"]
+    if problem == "confusion of unlabelled images":
+        path = test / "chat noir"  # itself a class folder: the first level below it names no class
     if problem == "missing checkpoint":
         checkpoint = tmp_path / "nothing.pt"
     if problem == "unreadable checkpoint":
@@ -277,10 +296,33 @@ def test_bad_input_is_one_line_with_exit_2(trained, tmp_path, problem, words):
         path = tmp_path / "notes"
         path.mkdir()
         (path / "notes.txt").write_text("not an image")
-    result = predict(checkpoint, path)
-    assert result.returncode == 2 and result.stdout == ""
+    result = predict(checkpoint, path, *extra)
+    assert result.returncode == 2 and result.stdout == "" and not list(tmp_path.glob("confusion*"))
     assert result.stderr.startswith("error: ") and words in result.stderr
     assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
+def test_the_best_checkpoint_classifies_and_its_confusion_matrix_counts_each_true_and_predicted_class(
+    trained, tmp_path
+):
+    """best.pt is the run's checkpoint of its best epoch (the later on a tie), which predict.py reads as any; with
+    --confusion, a CSV (a row per true class, a column per predicted one) and a picture of it."""
+    out, test = trained
+    acc = pd.read_csv(out / "pytorch_res.csv")["acc"]
+    best = torch.load(out / "best.pt", weights_only=True)
+    assert best["epoch"] == max(range(1, len(acc) + 1), key=lambda epoch: (acc[epoch - 1], epoch))
+    assert best["history"][-1]["acc"] == acc.max() and best["epoch"] <= len(acc)
+    result = predict(out / "best.pt", test, "--confusion", tmp_path / "confusion")
+    assert result.returncode == 0, result.stderr
+    found, matrix = rows(result.stdout), pd.read_csv(tmp_path / "confusion.csv", index_col=0)
+    classes = sorted(CLASSES.values())
+    assert matrix.index.tolist() == classes and matrix.columns.tolist() == classes
+    for true, predicted in itertools.product(classes, classes):
+        images = sum(row["true_class"] == true and row["class"] == predicted for row in found)
+        assert matrix.loc[true, predicted] == images, (true, predicted, matrix)
+    assert matrix.to_numpy().sum() == 60 and matrix.to_numpy().diagonal().sum() == round(acc[best["epoch"] - 1] * 60)
+    with Image.open(tmp_path / "confusion.png") as picture:
+        assert picture.format == "PNG" and min(picture.size) > 150
 
 
 def test_one_reader_takes_a_checkpoint_or_a_state_dict_in_the_common_forms(trained, tmp_path, monkeypatch):

@@ -89,7 +89,14 @@ def test_the_shortcut_is_the_seeds_strided_1x1_convolution_and_trains_in_channel
 def test_no_width_or_batch_crashes_a_rank(tmp_path):
     """What crashed a rank on AVX-512 CPUs without AMX (docs/cpu-kinds.md): every width up to 8, one image per rank
     in bf16, 64x64 images; here all at once, for an epoch and an evaluation."""
-    settings = ["--width=8", "--batch_size=2", "--synthetic_size=8", "--image_size=64", "--amp=True", "--epochs=1"]
+    settings = [
+        "--width=8",
+        "--batch_size=2",
+        "--synthetic_size=8",
+        "--image_size=64",
+        "--precision=auto",
+        "--epochs=1",
+    ]
     result = run_script(*TINY, *settings, f"--output_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
     assert len(pd.read_csv(tmp_path / "pytorch_res.csv")) == 1

@@ -74,8 +74,8 @@ def test_name_value_and_name_equals_value_both_work():
     "spelling, value", [("True", True), ("true", True), ("1", True), ("False", False), ("false", False), ("0", False)]
 )
 def test_boolean_spellings(spelling, value):
-    cfg = read_config([f"--resume={spelling}", "--amp", spelling])
-    assert cfg.RESUME is value and cfg.AMP is value
+    cfg = read_config([f"--resume={spelling}", "--tta", spelling])
+    assert cfg.RESUME is value and cfg.TTA is value
 
 
 def test_a_bare_boolean_flag_means_true():
@@ -144,7 +144,7 @@ def test_the_limits_themselves_are_allowed():
     [
         ("EPOCHS: int = 30", 'EPOCHS: int = "5"', "EPOCHS = '5' at the top of {file} is not an integer"),
         ("EPOCHS: int = 30", "EPOCHS: int = 2.0", "EPOCHS = 2.0 at the top of {file} is not an integer"),
-        ("AMP: bool = True", "AMP: bool = 1", "AMP = 1 at the top of {file} is not True or False"),
+        ("TTA: bool = True", "TTA: bool = 1", "TTA = 1 at the top of {file} is not True or False"),
         ("SEED: int = 0", "SEED: int = False", "SEED = False at the top of {file} is not an integer"),
         ("LR: float = 0.4", 'LR: float = "fast"', "LR = 'fast' at the top of {file} is not a number"),
         (

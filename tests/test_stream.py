@@ -78,12 +78,12 @@ def _read_rank(argv: list[str], answers: str) -> None:
     info = distribute_tools.setup(60)
     for loader, share in (("memory", data.MEMORY_SHARE), ("stream", 0.0)):  # one rank's fork server serves both
         data.MEMORY_SHARE = share  # (as TEST_STREAM sets it)
-        train, test, record = data.load(cfg, info, torch.contiguous_format)
+        train, evaluated, record = data.load(cfg, info, torch.contiguous_format)
         drawn = {
             str(epoch): numbers(train.train_batches(cfg.BATCH_SIZE, 2, info.rank, cfg.SEED, epoch), record)
             for epoch in (1, 2)
         }
-        drawn.update(test=numbers(test.eval_batches(2, info.rank), record), loader=record["loader"])
+        drawn.update(test=numbers(evaluated["test"].eval_batches(2, info.rank), record), loader=record["loader"])
         Path(answers, f"{loader}-rank{info.rank}.json").write_text(json.dumps(drawn))
     distribute_tools.cleanup()
 

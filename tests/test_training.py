@@ -151,7 +151,17 @@ def test_a_picture_of_the_curves_and_a_plain_checkpoint(reference_run):
     png = out / "pytorch_res.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     checkpoint = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)  # tensors and plain values
-    assert set(checkpoint) == {"model", "optimizer", "history", "epoch", "config", "data", "bf16", "ranks"}
+    assert set(checkpoint) == {
+        "model",
+        "optimizer",
+        "history",
+        "epoch",
+        "config",
+        "data",
+        "precision",
+        "scaler",
+        "ranks",
+    }
     assert checkpoint["ranks"] == 2 and checkpoint["config"]["WORLD_SIZE"] == 2  # TINY's: the ranks that trained it
     assert checkpoint["epoch"] == 5 and [row["epoch"] for row in checkpoint["history"]] == [1, 2, 3, 4, 5]
     assert not any(name.startswith(("module.", "_orig_mod.")) for name in checkpoint["model"])
@@ -174,9 +184,9 @@ def _evaluate_rank(argv: list[str], answer: str) -> None:
     info = distribute_tools.setup(60)
     run = train_distribute.build_run(cfg, info)
     run.model.load_state_dict(files.load_checkpoint(cfg.OUTPUT_DIR)["model"])
-    loss, acc = train_distribute.evaluate(run)
+    scores = train_distribute.evaluate(run)
     if info.is_main:
-        Path(answer).write_text(json.dumps({"loss": loss, "acc": acc}))
+        Path(answer).write_text(json.dumps({"loss": scores["test_loss"], "acc": scores["acc"]}))
     distribute_tools.cleanup()
 
 
@@ -228,7 +238,7 @@ def without_batchnorm(reference_run, tmp_path_factory) -> dict[str, Path]:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((tmp / "1 rank" / "pytorch_res.csv").stat().st_mtime))
     (tmp / "1 rank" / f"previous-{stamp}").mkdir()
     (tmp / "1 rank" / f"previous-{stamp}" / "pytorch_res.csv").write_text("an even earlier run's")
-    common = [*TINY, "--image_size=32", "--epochs=2", "--augment=False", "--amp=False", "--lr=4"]  # rounding: 1e-5
+    common = [*TINY, "--image_size=32", "--epochs=2", "--augment=False", "--precision=fp32", "--lr=4"]  # rounding: 1e-5
     variants = {"1 rank": ["--world_size=1"], "2 ranks": [], "2 ranks, 2 micro-batches": ["--accumulate=2"]}
     runs = {
         name: launch(
