@@ -4,6 +4,7 @@ compared, the stream loader's end-of-pass check) runs in real runs elsewhere."""
 
 import os
 import socket
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -246,7 +247,14 @@ def test_a_folder_lists_the_files_that_torchvisions_image_folder_does_apart_from
     "layout, split, words",
     [
         (None, "train", ["DATA_DIR {root} does not exist; give a folder with train/<class>/ and test/<class>/"]),
-        (["train/cat/0.png"], "test", ["DATA_DIR {root} has no test/ folder; give a folder with train/<class>/"]),
+        (
+            ["train/cat/0.png"],
+            "test",
+            [
+                "DATA_DIR {root} has no test/ folder; give a folder with train/<class>/",
+                "hold out a share of train/ to evaluate on: --holdout 0.1",
+            ],
+        ),  # fmt: skip
         (["train/.hidden/0.png", "train/file.png"], "train", ["{root}/train holds no class folders; put one sub-fo"]),
         (
             ["train/cat/0.png", "train/zebra/notes.txt"],
@@ -276,6 +284,39 @@ def test_train_and_test_with_other_classes_are_refused(tmp_path):
         f"{tmp_path}/train and test/ hold other classes (only in train/: emu; only in test/: yak); give both the "
         "same folders"
     )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_holdout_takes_its_share_of_each_class_by_seed_alone_from_tensors_and_from_a_folders_list(seed):
+    """HOLDOUT's split: round(share x a class's images) of each class, drawn from SEED alone (so the same on every rank
+    and at every start), the same images whether the split is tensors or a folder's (path, label) list; the rest
+    trains, each image in exactly one of the two."""
+    labels = torch.tensor([0] * 50 + [1] * 30 + [2] * 7)[torch.randperm(87, generator=torch.Generator().manual_seed(9))]
+    pixels = torch.arange(87)  # each image's number
+    cfg = read_config([f"--seed={seed}", "--holdout=0.2"])
+    (train, train_labels), (held, held_labels) = data.hold_out((pixels, labels), cfg)
+    assert [int((held_labels == c).sum()) for c in range(3)] == [10, 6, 1]
+    assert sorted(train.tolist() + held.tolist()) == list(range(87)) and (labels[held] == held_labels).all()
+    listed = [(f"img{n}.png", int(label)) for n, label in enumerate(labels)]
+    assert data.hold_out(listed, cfg)[1] == [(f"img{n}.png", int(labels[n])) for n in held.tolist()]
+    (_, _), (again, _) = data.hold_out((pixels, labels), cfg)
+    (_, _), (other, _) = data.hold_out((pixels, labels), read_config([f"--seed={seed + 2}", "--holdout=0.2"]))
+    assert again.tolist() == held.tolist() and other.tolist() != held.tolist()
+    assert data.hold_out((pixels, labels), read_config(["--holdout=0"])) == ((pixels, labels), None)
+
+
+def test_held_out_images_are_counted_in_the_datas_identity_with_the_share_and_seed_that_drew_them():
+    """A resume checks the data's identity: with HOLDOUT it names the share and the seed, and the counts; a split of
+    its own is evaluated as "val", beside the test split."""
+    info = SimpleNamespace(device=torch.device("cpu"), local_world_size=1)
+    settings = ["--dataset=synthetic", "--synthetic_size=500", "--image_size=8", "--batch_size=8"]
+    train, evaluated, record = data.load(read_config([*settings, "--holdout=0.1"]), info, torch.channels_last)
+    assert len(train) + len(evaluated["val"]) == 500 and 40 <= len(evaluated["val"]) <= 60
+    assert len(evaluated["test"]) == 100 and list(evaluated) == ["test", "val"]
+    assert record["identity"].startswith(f"{len(train)} train, {len(evaluated['val'])} held out, 100 test images of")
+    assert record["identity"].endswith("held out: HOLDOUT=0.1 of each class drawn by SEED=0")
+    plain = data.load(read_config([*settings, "--holdout=0"]), info, torch.channels_last)
+    assert list(plain[1]) == ["test"] and plain[2]["identity"].startswith("500 train, 100 test images of 8x8")
 
 
 def test_the_folder_identity_changes_with_a_file(tmp_path):

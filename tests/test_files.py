@@ -395,3 +395,37 @@ def test_a_run_of_a_few_steps_in_all_says_so_in_its_first_line():
     assert "too few" not in files.describe(
         torch.nn.Linear(1, 1), cfg, info, {**record, "train_images": 1000}, 1, "fp32"
     )
+
+
+@pytest.mark.parametrize("selection", ["acc", "val_acc"])
+def test_best_pt_holds_the_best_epoch_by_the_held_out_split_where_there_is_one_the_later_on_a_tie(
+    tmp_path, pictures, selection
+):
+    """best.pt is the checkpoint of the epoch with the best selection accuracy so far (HOLDOUT's val_acc where the
+    rows have it, else the test's acc; an epoch without evaluation never), the later of equals; written before
+    checkpoint.pt, so that no checkpoint names a best epoch that best.pt does not hold."""
+    writer, history, found = files.ResultWriter(str(tmp_path)), [], []
+    scores = [0.2, 0.5, 0.3, 0.5, float("nan")]
+    for epoch, score in enumerate(scores, 1):
+        other = 1 - score  # the other column: were it the selection, the best epoch would be another
+        history.append(row(epoch) | ({"acc": score} if selection == "acc" else {"acc": other, "val_acc": score}))
+        writer.submit(checkpoint(epoch), history)
+        writer.wait()
+        found.append(torch.load(tmp_path / files.BEST_NAME, weights_only=True)["epoch"])
+        assert torch.load(tmp_path / files.CHECKPOINT_NAME, weights_only=True)["epoch"] == epoch
+    writer.close()
+    assert found == [1, 2, 2, 4, 4]
+    assert files.summary_line(history, "out").startswith(f"done: 5 epochs; best {selection} 0.5000 (epoch 4: best.pt)")
+
+
+def test_a_resume_from_the_checkpoint_on_another_machine_brings_its_best_pt_where_the_files_go_now(
+    tmp_path, first_start
+):
+    """Machines with disks of their own: the resume goes on from the newest checkpoint, which another machine's rank
+    hands over with that machine's best.pt; rank 0 writes it into its own OUTPUT_DIR, where the files go from now on."""
+    saved = saved_by(["--epochs=5", f"--output_dir={tmp_path / 'there'}"], 2)
+    handed = saved | {"best.pt": b"the other machine's best.pt"}
+    cfg = read_config(["--epochs=5", f"--output_dir={tmp_path / 'here'}", "--resume=True"])
+    kind, checkpoint, _ = start.begin(cfg, "", handed, where="node1:/there")
+    assert kind == "resume" and "best.pt" not in checkpoint  # the bytes go to the file, not on to every rank
+    assert (tmp_path / "here" / files.BEST_NAME).read_bytes() == b"the other machine's best.pt"
