@@ -61,16 +61,19 @@ def ended_in_time(run, signalled_at: float) -> str:
 
 def in_a_new_interpreter(*args: str) -> tuple[subprocess.CompletedProcess, Path]:
     """`python train_distribute.py *args` into a new folder, to its end: a scenario, run in the background."""
-    out = Path(tempfile.mkdtemp(prefix="new-interpreter-"))
+    out = Path(tempfile.mkdtemp(prefix="new-interpreter-")) / "out"
+    (out.parent / "tmp").mkdir()  # its TMPDIR, which the run must leave as it found it
     command = [sys.executable, "train_distribute.py", *args, f"--output_dir={out}"]
-    with new_interpreter(command, stdout=-1, stderr=-1, env=clean_env(), nice=BACKGROUND) as run:
+    env = clean_env(TMPDIR=str(out.parent / "tmp"))
+    with new_interpreter(command, stdout=-1, stderr=-1, env=env, nice=BACKGROUND) as run:
         stdout, stderr = run.communicate(timeout=HANG_TIMEOUT)
     return subprocess.CompletedProcess(command, run.returncode, stdout, stderr), out
 
 
 @needs((in_a_new_interpreter, *TINY, "--epochs=2"))
-def test_a_finished_run_in_a_new_interpreter_exits_0_and_prints_only_its_lines():
+def test_a_finished_run_in_a_new_interpreter_exits_0_prints_only_its_lines_and_leaves_nothing_in_tmpdir():
     run, out = scenario(in_a_new_interpreter, *TINY, "--epochs=2")
+    assert list((out.parent / "tmp").iterdir()) == []  # torch's agent's folder removed, torch 2.4's and dynamo's too
     assert run.returncode == 0, run.stderr
     assert lines(run.stderr) == []  # no warning of torch's, no log line of its agent
     first, *epochs, done = lines(run.stdout)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import distribute_tools
+import muon
 import train_distribute
 from resnet import ResNet
 from safeguards import files, settings, start
@@ -27,6 +28,7 @@ from tests.conftest import (
     HANG_TIMEOUT,
     TINY,
     alive,
+    call,
     clean_env,
     csv_rows,
     image_folder_of_noise,
@@ -58,8 +60,8 @@ def lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def checkpoint_epoch(folder: Path) -> int:
-    return int(torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"])
+def checkpoint_epoch(folder: Path, name: str = "checkpoint.pt") -> int:
+    return int(torch.load(folder / name, weights_only=True)["epoch"])
 
 
 def results(folder: Path) -> dict:
@@ -108,6 +110,12 @@ def assert_same_epochs(folder: Path, reference: Path) -> None:
         assert resumed[column].tolist() == pytest.approx(expected[column].tolist(), rel=1e-5, nan_ok=True), column
     assert resumed["elapsed_seconds"].is_monotonic_increasing  # the clock goes on from the checkpoint's
     assert checkpoint_epoch(folder) == len(expected) and not list(folder.glob("*.tmp*"))
+    ends = [
+        torch.load(f / name, weights_only=True)
+        for f in (folder, reference)
+        for name in (files.BEST_NAME, "checkpoint.pt")
+    ]
+    assert ends[0]["epoch"] == ends[2]["epoch"] and ends[1]["scaler"] == ends[3]["scaler"]  # fp16's loss scale too
 
 
 # ----------------------------------------------------------------------------- one normal run, read many ways
@@ -142,8 +150,33 @@ def test_only_rank_0_prints_a_first_line_a_line_per_epoch_and_a_done_line(refere
     swapped = not isinstance(train_distribute.make_model(read_config(TINY), 10), ResNet)
     assert first.endswith(f"try {files.OTHER_NETWORKS}") == swapped, first  # the recipe's flags for another network
     assert [line.split()[:2] for line in epochs] == [["epoch", f"{e}/5"] for e in range(1, 6)]
-    acc = pd.read_csv(out / "pytorch_res.csv")["acc"].iloc[-1]
-    assert done.startswith("done: 5 epochs;") and f"final acc {acc:.4f}" in done and str(out) in done
+    acc = pd.read_csv(out / "pytorch_res.csv")["acc"]
+    best = max(range(1, 6), key=lambda epoch: (acc[epoch - 1], epoch))  # the later of equals
+    assert done.startswith(f"done: 5 epochs; best acc {acc.max():.4f} (epoch {best}: best.pt), ") and str(out) in done
+    assert f"final acc {acc.iloc[-1]:.4f}" in done and checkpoint_epoch(out, files.BEST_NAME) == best
+
+
+def test_a_folder_with_train_only_trains_with_a_held_out_split_that_picks_the_best_epoch(tmp_path):
+    """A folder of train/ alone is refused in one line naming HOLDOUT; with it, a share of each class is held out:
+    the first line counts those images, the CSV has their val_acc and val_loss (no test split: no acc), and the best
+    epoch, whose checkpoint best.pt holds, is the best val_acc's (the later of equals), as the last line says."""
+    image_folder_of_noise(tmp_path / "images", train=240, test=0, size=16)
+    args = [*TINY, "--dataset=imagefolder", f"--data_dir={tmp_path / 'images'}", "--image_size=16", "--num_workers=0"]
+    args += ["--epochs=3", "--eval_every=1", f"--output_dir={tmp_path / 'out'}"]
+    refused = run_script(*args, "--holdout=0")
+    assert refused.returncode == 2 and lines(refused.stderr) == [
+        f"error: DATA_DIR {tmp_path / 'images'} has no test/ folder; give a folder with train/<class>/ and "
+        "test/<class>/, or hold out a share of train/ to evaluate on: --holdout 0.1"
+    ]
+    result = run_script(*args, "--holdout=0.25")
+    assert result.returncode == 0, result.stderr
+    first, *_, done = lines(result.stdout)
+    assert "| 180 train, 60 held out images on imagefolder |" in first, first  # 30 of each class's 120
+    rows = pd.read_csv(tmp_path / "out" / "pytorch_res.csv")
+    assert {"val_acc", "val_loss"} <= set(rows.columns) and not {"acc", "test_loss"} & set(rows.columns)
+    best = max(range(1, 4), key=lambda epoch: (rows["val_acc"][epoch - 1], epoch))
+    assert done.startswith(f"done: 3 epochs; best val_acc {rows['val_acc'].max():.4f} (epoch {best}: best.pt), ")
+    assert checkpoint_epoch(tmp_path / "out", files.BEST_NAME) == best
 
 
 def test_a_picture_of_the_curves_and_a_plain_checkpoint(reference_run):
@@ -274,6 +307,67 @@ def test_a_network_that_onednn_gets_wrong_in_bf16_on_cpus_is_found_and_the_templ
     assert start.cpu_bf16_faults(ResNet(4), 8) == [] and strided.training
 
 
+@pytest.mark.parametrize("capability, words", [((6, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"), ((9, 0), "bf16")])
+def test_auto_precision_is_fp16_with_loss_scaling_on_gpus_without_fast_bf16_and_muon_stays_fp32_there(
+    monkeypatch, capability, words
+):
+    """PRECISION="auto" on a GPU: bf16 from compute capability 8.0 (Ampere) on; below it (P100, V100, T4, RTX 20xx)
+    fp16 autocast with dynamic loss scaling, where Muon's orthogonalisation stays fp32 (bf16 is emulated there). A
+    choice by hand is taken as it is."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    precision = start.precision(torch.device("cuda", 0), "auto", ResNet(4), 32)
+    assert precision == {"fp16": "fp16 autocast, dynamic loss scaling", "bf16": "bf16 autocast"}[words]
+    cfg = read_config(["--optimizer=muon", "--width=16"])
+    banks = muon.make_optimizer(cfg, ResNet(16), 0.1, torch.device("cpu"), precision.startswith("bf16")).banks.padded
+    assert (torch.bfloat16 in {bank.dtype for bank in banks}) == (words == "bf16")  # 128 rows and more: bf16
+    for chosen in ("fp16", "fp32"):
+        assert start.precision(torch.device("cuda", 0), chosen, ResNet(4), 32).startswith(chosen)
+        assert start.precision(torch.device("cpu"), chosen, ResNet(4), 32).startswith(chosen)
+
+
+def step_with_an_overflow(answers: str, *argv: str) -> int:
+    """Called in a process forked from the test server (conftest.call): 2 ranks, started by torch's elastic agent as a
+    run's are, take two training steps in fp16 (train_step); rank 1's gradients overflow in the first. Each rank saves
+    what it saw into `answers`."""
+    distribute_tools.run_distribute(_step_with_an_overflow, 2, list(argv), answers)
+    return 0
+
+
+def _step_with_an_overflow(argv: list[str], answers: str) -> None:
+    cfg = settings.read(train_distribute, argv)
+    info = distribute_tools.setup(60)
+    run = train_distribute.build_run(cfg, info)
+    x, y = next(iter(run.train_data.train_batches(cfg.BATCH_SIZE, 2, info.rank, cfg.SEED, 1)))
+    before, sums = [p.detach().clone() for p in run.model.parameters()], torch.zeros(3)
+    first = next(run.model.parameters())
+    overflow = first.register_hook(lambda grad: torch.full_like(grad, math.inf) if info.rank == 1 else grad)
+    train_distribute.train_step(run, x, y, 0.05, sums)
+    seen = {"skipped": all(torch.equal(a, b) for a, b in zip(before, run.model.parameters(), strict=True))}
+    seen |= {"scale": run.scaler.get_scale(), "precision": run.precision}
+    overflow.remove()
+    train_distribute.train_step(run, x, y, 0.05, sums)
+    seen |= {"before": before, "weights": [p.detach() for p in run.model.parameters()]}
+    seen["banks"] = [str(bank.dtype) for bank in run.optimizer.banks.padded]
+    torch.save(seen, Path(answers) / f"rank{info.rank}.pt")
+    distribute_tools.cleanup()
+
+
+def test_an_fp16_step_whose_gradients_overflow_on_one_rank_is_skipped_on_every_rank_alike(tmp_path):
+    """PRECISION=fp16 (CPU fp16 autocast and GradScaler("cpu"), the GPU's choice below compute capability 8.0): rank
+    1's gradients overflow; averaged over the ranks, every rank's are inf, and every rank skips the step and halves its
+    loss scale. The next step trains, and the ranks' weights stay equal. Muon's banks (128 rows: bf16 where the run
+    is) are fp32."""
+    argv = [*TINY, "--precision=fp16", "--optimizer=muon", "--width=16", "--output_dir=unused"]
+    result = call(f"{__name__}:step_with_an_overflow", str(tmp_path), *argv)
+    assert result.returncode == 0, result.stderr
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    for seen in ranks:
+        assert seen["skipped"] and seen["scale"] == 2.0**15 and seen["precision"].startswith("fp16 autocast")
+        assert seen["banks"] and set(seen["banks"]) == {"torch.float32"}
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(ranks[0]["weights"], ranks[0]["before"], strict=True))
+
+
 def test_two_ranks_step_like_one_rank_on_the_whole_batch(without_batchnorm):
     """Sharding and gradient averaging: each step of 24 images on each of 2 ranks is the step of the same 48 images
     on 1 rank, so the runs' losses and accuracies agree (float rounding: the sums run in another order); the LR
@@ -305,7 +399,7 @@ def test_world_size_1_follows_the_same_lr_and_moves_old_results_aside_never_over
     assert earlier.name.startswith(f"{even_earlier.name}-")  # the same time: another name, nothing overwritten
     assert (even_earlier / "pytorch_res.csv").read_text() == "an even earlier run's"
     assert f"moved the earlier run's results in {folder} to {earlier}" in stdout
-    for name in ("pytorch_res.csv", "checkpoint.pt", "pytorch_res.png"):
+    for name in files.RESULT_FILES:  # best.pt too
         assert (earlier / name).read_bytes() == (out / name).read_bytes(), name
     assert csv_rows(folder) == 2
 
@@ -367,9 +461,11 @@ def test_kill_9_then_resume_gives_every_epoch_once_and_the_same_numbers(killed_t
 def stopped_with_dropout(loader: str) -> SimpleNamespace:
     """A network with dropout on its input (TEST_DROPOUT) trained without a stop, and the same run stopped by SIGTERM
     during epoch 2's files and resumed: a scenario, in the background. Streamed, the runs decode in the rank (no fork
-    server) until the resume, which has a worker per reader: workers change no number."""
+    server) until the resume, which has a worker per reader: workers change no number. "fp16": the memory loader's
+    run in fp16 autocast, its loss scaled (the scaler's state is in the checkpoint)."""
     tmp = Path(tempfile.mkdtemp(prefix="dropout-"))
-    args = [*SHORT] if loader == "memory" else [*tiny_stream_args(), "--epochs=4"]
+    args = [*SHORT, "--precision=fp16"] if loader == "fp16" else [*SHORT, "--precision=auto"]
+    args = [*tiny_stream_args(), "--epochs=4"] if loader == "stream" else args
     alone, stopped = tmp / "alone", tmp / "stopped"
     env = clean_env(TEST_DROPOUT="0.3", TEST_STREAM="1" if loader == "stream" else "")  # tiny_stream fits in memory
     uninterrupted = launch(*args, f"--output_dir={alone}", env=env, nice=BACKGROUND)
@@ -391,8 +487,8 @@ def stopped_with_dropout(loader: str) -> SimpleNamespace:
 stopped_with_dropout.long = True  # (conftest.pytest_collection_finish)
 
 
-@needs((stopped_with_dropout, "memory"), (stopped_with_dropout, "stream"))
-@pytest.mark.parametrize("loader", ["memory", "stream"])
+@needs((stopped_with_dropout, "memory"), (stopped_with_dropout, "stream"), (stopped_with_dropout, "fp16"))
+@pytest.mark.parametrize("loader", ["memory", "stream", "fp16"])
 def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_numbers(loader):
     """Randomness in the network's forward (here dropout on its input) continues after a resume as if the run had
     not stopped: on the memory loader, and on the stream loader, resumed with worker processes."""
@@ -403,6 +499,7 @@ def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_nu
     ), done.first  # the network is a Sequential now
     assert done.resumed == 0, done.resumed_err
     assert ("| loader stream, 1 worker(s) per rank |" in done.resumed_out) == (loader == "stream"), done.resumed_out
+    assert ("| fp16 autocast, dynamic loss scaling |" in done.first) == (loader == "fp16"), done.first
     assert_same_epochs(done.stopped, done.alone)
 
 
