@@ -8,7 +8,6 @@ import getpass
 import inspect
 import logging
 import os
-import sys
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -67,7 +66,10 @@ def world_size(requested: int) -> int:
 def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args: Any) -> None:
     """`entrypoint` (a program such as sys.executable, or a function) with `args` in `world_size` ranks here, through
     torchrun's engine: ChildFailedError when a rank fails (the others stopped), SignalException when we are stopped."""
-    logs = tempfile.TemporaryDirectory(prefix="torchelastic_")  # the agent's folder, removed as the run ends
+    logs = tempfile.TemporaryDirectory(prefix="torchelastic_")  # the agent's folder, removed as the run ends, and the
+    os.environ["TMPDIR"] = logs.name  # ranks' TMPDIR: their temporary files (multiprocessing's, torch's) go with it
+    default = os.path.join(os.path.dirname(logs.name), f"torchinductor_{getpass.getuser()}")  # torch's own place
+    inductor = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default)  # for COMPILE's cache: kept between runs
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, logs_specs=DefaultLogsSpecs(logs.name))
     config.run_id, config.max_restarts = uuid.uuid4().hex, 0
     config.rdzv_backend, config.rdzv_endpoint = "c10d", "localhost:0"  # a standalone rendezvous on a free port
@@ -79,7 +81,7 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
         logging.getLogger(name).addHandler(logging.NullHandler())
         logging.getLogger(name).propagate = False
     failures.hold_stop_signals_for_ranks()
-    made = not os.path.exists(inductor := os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+    made = not os.path.exists(inductor)
     try:
         with logs:
             elastic_launch(config, entrypoint)(*args)
@@ -106,8 +108,6 @@ def setup(timeout_s: float = 600.0) -> DistInfo:
     # destroy_process_group: one aborted the process at exit (16 of 115 runs). Imported first, it holds nothing.
     import torch.distributed.nn  # noqa: F401
 
-    with contextlib.suppress(AttributeError, KeyError, OSError):  # torch 2.4's folder in TMPDIR, unused: a rank
-        sys.modules["torch.distributed.nn.jit.instantiator"]._TEMP_DIR.cleanup()  # ends without removing it
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
