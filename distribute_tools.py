@@ -69,7 +69,7 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
     logs = tempfile.TemporaryDirectory(prefix="torchelastic_")  # the agent's folder, removed as the run ends, and the
     os.environ["TMPDIR"] = logs.name  # ranks' TMPDIR: their temporary files (multiprocessing's, torch's) go with it
     default = os.path.join(os.path.dirname(logs.name), f"torchinductor_{getpass.getuser()}")  # torch's own place
-    inductor = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default)  # for COMPILE's cache: kept between runs
+    made = not os.path.exists(inductor := os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default))  # COMPILE's cache
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, logs_specs=DefaultLogsSpecs(logs.name))
     config.run_id, config.max_restarts = uuid.uuid4().hex, 0
     config.rdzv_backend, config.rdzv_endpoint = "c10d", "localhost:0"  # a standalone rendezvous on a free port
@@ -81,7 +81,6 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
         logging.getLogger(name).addHandler(logging.NullHandler())
         logging.getLogger(name).propagate = False
     failures.hold_stop_signals_for_ranks()
-    made = not os.path.exists(inductor)
     try:
         with logs:
             elastic_launch(config, entrypoint)(*args)

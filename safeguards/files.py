@@ -131,7 +131,8 @@ def plot(history: list[dict], output_dir: str) -> None:
         ax=loss, style="o-", title="Loss (train: label-smoothed)", grid=True
     )
     best = f"Accuracy, % (best {(key := best_row(history)[0])} {100 * rows[key].max():.2f})"
-    (100 * rows.filter(["acc", "val_acc", "train_acc"])).plot(ax=accuracy, style="o-", title=best, grid=True)
+    styles = {"acc": "o-", "val_acc": "o-", "train_acc": "--"}  # the columns there are: val_acc with HOLDOUT
+    (100 * rows.filter(list(styles))).plot(ax=accuracy, style=styles, title=best, grid=True)
     rows.lr.plot(ax=lr, style="o-", title="Learning rate (at epoch end)", grid=True)
     write_atomically(os.path.join(output_dir, PLOT_NAME), lambda tmp: figure.savefig(tmp, dpi=110, format="png"))
 
