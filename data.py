@@ -269,7 +269,7 @@ def quiet_worker(worker_id: int, rank: int) -> None:
 def decoded(files: ImageFiles, workers: int, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The split decoded once by `workers` processes (on every rank), uint8 NHWC, less the files unreadable now."""
     pixels, labels, marks = (torch.cat(p) for p in zip(*reader(files, EVAL_BATCH, None, workers, False), strict=True))
-    keep = readable_enough(files, marks[marks >= 0].tolist(), "left out of the run" if training else None)
+    keep = readable_enough(files, marks[marks >= 0].tolist(), "left out of the run" if training else None)  # DDP: all
     return pixels[keep], labels[keep]
 
 
@@ -326,7 +326,7 @@ class MemoryLoader(Loader):
 
     def train_batches(self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int) -> Any:
         local_batch, generator = global_batch // world_size, self.augmentation(seed, epoch, rank)
-        indices = shard_indices(len(self), world_size, rank, seed, epoch).to(self.device)  # DDP: this rank's shard
+        indices = shard_indices(len(self), world_size, rank, seed, epoch).to(self.device)  # this rank's shard
         for step in range(self.steps_per_epoch(global_batch)):
             batch = indices[step * local_batch : (step + 1) * local_batch]
             yield self.prepare(self.pixels[batch], generator), self.labels[batch]
@@ -347,10 +347,10 @@ class StreamLoader(Loader):
         self.reader = partial(reader, files, workers=workers, pin=self.device.type == "cuda")  # pinned: copied async
 
     def train_batches(self, global_batch: int, world_size: int, rank: int, seed: int, epoch: int) -> Any:
-        if "train" not in self.readers:  # DDP: each rank's shard of one shuffle; drop_last: every rank as many steps
+        if "train" not in self.readers:  # each rank's shard of one shuffle; drop_last: every rank as many steps
             sampler = DistributedSampler(self.files, world_size, rank, shuffle=True, seed=seed, drop_last=True)
             self.readers["train"] = self.reader(global_batch // world_size, sampler, drop_last=True)
-        self.readers["train"].sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same on every rank
+        self.readers["train"].sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
         yield from self._batches(self.readers["train"], self.augmentation(seed, epoch, rank))
 
     def eval_batches(self, world_size: int, rank: int) -> Any:

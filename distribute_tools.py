@@ -116,7 +116,7 @@ def setup(timeout_s: float = 600.0) -> DistInfo:
         torch.cuda.set_device(device)  # before init, so that NCCL never puts two ranks on GPU 0
         options["device_id"] = device
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))  # the machine's cores, shared
-    store = failures.attempt_store(rank, world_size, options["timeout"])  # a torchrun restart's own keys
+    store = failures.attempt_store(rank, world_size, options["timeout"])  # DDP: every rank; a restart's own keys
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **options)  # DDP: every rank joins
     return DistInfo(rank, local_rank, world_size, local_world_size, device, backend)
 

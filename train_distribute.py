@@ -139,7 +139,7 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     # refusal is the run's only line); a new one with INIT_FROM (fine-tuning): that run's weights that fit. DDP: with
     # INIT_FROM every rank meets (one that cannot read it stops them all)
     history = start.restore(checkpoint, run.model, run.optimizer, run.scaler, run.data["identity"], cfg)
-    if info.is_main:  # DDP: rank 0 alone prints and writes files
+    if info.is_main:  # rank 0 alone prints and writes files
         steps = run.train_data.steps_per_epoch(cfg.BATCH_SIZE)
         print(files.describe(run.model, cfg, info, run.data, steps, run.precision))
     # the files of each epoch (and TensorBoard's, which a resume continues from its first epoch), in the background
@@ -211,7 +211,7 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
     run.ddp_model.train()
     torch.cuda.synchronize() if info.device.type == "cuda" else None  # the clock starts with nothing queued
     started, lr = time.perf_counter(), 0.0
-    # DDP: this rank's shard of the epoch (every rank draws the same order and takes its own part)
+    # this rank's part of the epoch's one order. DDP: streamed, the ranks meet as the pass ends: each runs it to the end
     batches = run.train_data.train_batches(cfg.BATCH_SIZE, info.world_size, info.rank, cfg.SEED, epoch)
     batches = files.progress(batches, steps, epoch, cfg) if info.is_main else batches  # a bar on a terminal
     for step, (x, y) in enumerate(batches):
@@ -305,7 +305,7 @@ def launch(argv: list[str], entrypoint: Callable | str) -> None:
     data.prepare(cfg)  # download CIFAR-10 once, for every rank
     args = ("-u", __file__, *argv) if isinstance(entrypoint, str) else (argv,)  # a program, or a function of argv
     world_size = distribute_tools.world_size(cfg.WORLD_SIZE)  # 0: one per GPU, or 2 on a machine without GPUs
-    distribute_tools.run_distribute(entrypoint, world_size, *args)  # DDP: a process per rank
+    distribute_tools.run_distribute(entrypoint, world_size, *args)  # a process per rank
 
 
 if __name__ == "__main__":

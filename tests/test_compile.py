@@ -12,9 +12,9 @@ import torch
 
 import train_distribute as td
 from safeguards import failures, settings
-from tests.conftest import BACKGROUND, SETTINGS, call, launch, needs, scenario, width
+from tests.conftest import BACKGROUND, PINNED, SETTINGS, call, launch, needs, scenario, width
 
-SMALL = ["--dataset=synthetic", "--synthetic_size=320", "--image_size=16", *width(4), "--batch_size=32"]
+SMALL = [*PINNED, "--dataset=synthetic", "--synthetic_size=320", "--image_size=16", *width(4), "--batch_size=32"]
 
 
 def two_epochs(out_dir: str, compile: str) -> int:

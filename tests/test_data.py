@@ -309,7 +309,7 @@ def test_held_out_images_are_counted_in_the_datas_identity_with_the_share_and_se
     """A resume checks the data's identity: with HOLDOUT it names the share and the seed, and the counts; a split of
     its own is evaluated as "val", beside the test split."""
     info = SimpleNamespace(device=torch.device("cpu"), local_world_size=1)
-    settings = ["--dataset=synthetic", "--synthetic_size=500", "--image_size=8", "--batch_size=8"]
+    settings = ["--dataset=synthetic", "--synthetic_size=500", "--image_size=8", "--batch_size=8", "--seed=0"]
     train, evaluated, record = data.load(read_config([*settings, "--holdout=0.1"]), info, torch.channels_last)
     assert len(train) + len(evaluated["val"]) == 500 and 40 <= len(evaluated["val"]) <= 60
     assert len(evaluated["test"]) == 100 and list(evaluated) == ["test", "val"]

@@ -17,7 +17,17 @@ import torch
 from torch import nn
 
 from tests import swap_network
-from tests.conftest import BACKGROUND, TEMPLATE_ONLY, call, image_folder_of_noise, needs, scenario, snapshot, width
+from tests.conftest import (
+    BACKGROUND,
+    PINNED,
+    TEMPLATE_ONLY,
+    call,
+    image_folder_of_noise,
+    needs,
+    scenario,
+    snapshot,
+    width,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md")])
@@ -162,7 +172,7 @@ def test_the_readmes_sample_first_line_is_what_its_command_builds_now():
     from safeguards import files, settings
 
     command, first = re.search(r"\$ python train_distribute.py (.*)\n(.*)\n", (ROOT / "README.md").read_text()).groups()
-    cfg = settings.read(train_distribute, command.split())
+    cfg = settings.read(train_distribute, [*PINNED, *command.split()])  # the block as shipped, then the command
     info = DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo")  # the sample's 2 ranks on a CPU
     train, _, record = data.load(cfg, info, torch.channels_last)
     model = train_distribute.make_model(cfg, len(record["classes"]))
@@ -217,7 +227,7 @@ def recipe_runs() -> tuple[Path, dict, list, subprocess.CompletedProcess, bool]:
     npz |= {f"y_{s}": rng.integers(0, 3, n) for s, n in (("train", 96), ("test", 24))}
     arrays.mkdir()
     np.savez(arrays / "data.npz", **npz)
-    small, done = [*width(8), "--batch_size=48", "--world_size=2", "--epochs=1", "--image_size=16"], []
+    small, done = [*PINNED, *width(8), "--batch_size=48", "--world_size=2", "--epochs=1", "--image_size=16"], []
     for layout, data_dir, dataset in (("csv", images, "imagefolder"), ("npz", arrays, "npz")):
         argv = [*small, f"--dataset={dataset}", f"--data_dir={data_dir}", f"--output_dir={data_dir}/out"]
         done.append(call("tests.test_docs:train_with_recipe", layout, *argv, nice=BACKGROUND))
@@ -247,3 +257,29 @@ def test_readmes_recipes_train_on_a_csv_of_paths_and_on_an_npz_refuse_other_data
     assert torch.allclose(classifier.probabilities(torch.from_numpy(npz["x_test"])).sum(dim=1), torch.ones(24))
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and unchanged, refused.stderr
     assert f"error: the checkpoint in {arrays}/out was trained on other data (96 train" in refused.stderr
+
+
+# ----------------------------------------------------------------------------- the DDP: comments
+MEETING = re.compile(  # calls where every rank must take part: collectives, and the functions that make them
+    r"\bdist\.(all_reduce|broadcast|barrier|all_gather_object|broadcast_object_list|init_process_group)\("
+    r"|\b(all_ranks_try|all_ranks_begin|readable_enough|attempt_store|DistributedDataParallel|evaluate)\("
+    r"|\b(start\.restore|data\.load|distribute_tools\.setup|distribute_tools\.cleanup)\("
+    r"|\.backward\(|\.step\(|\b(train|eval)_batches\("  # DDP's all-reduce, Muon's, a streamed pass's end
+)
+
+
+def test_ddp_comments_mark_every_call_where_ranks_meet_and_only_those():
+    """README: every place where ranks meet has a comment starting `DDP:` in the files a reader adapts, and a reader
+    can trust it: each call where every rank must take part has one on its line or above it, and each such comment
+    is on, or just above, such a call."""
+    for name in ("train_distribute.py", "distribute_tools.py", "data.py", "muon.py"):
+        lines = (ROOT / name).read_text().splitlines()
+        code = [line.split("  #")[0] if not line.lstrip().startswith(("#", '"')) else "" for line in lines]
+        for n, line in enumerate(code):
+            if MEETING.search(line) and not line.lstrip().startswith("def "):
+                assert any("DDP:" in above for above in lines[max(0, n - 4) : n + 1]), f"{name}:{n + 1}: {line}"
+        for n, line in enumerate(lines):
+            if (
+                "DDP:" in line and not line.startswith(('"', " " * 4 + '"')) and n > 12
+            ):  # (the docstring says what it is)
+                assert any(MEETING.search(statement) for statement in code[n : n + 5]), f"{name}:{n + 1}: {line}"

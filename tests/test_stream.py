@@ -27,6 +27,7 @@ from safeguards import failures, settings
 from tests.conftest import (
     BACKGROUND,
     HANG_TIMEOUT,
+    PINNED,
     alive,
     call,
     children_of,
@@ -106,7 +107,7 @@ def drawn_by_the_ranks() -> tuple[subprocess.CompletedProcess, Path]:
     """read_in_ranks on a numbered folder with a worker per rank, in the background (a scenario)."""
     folder = Path(tempfile.mkdtemp(prefix="drawn-"))
     numbered_folder(folder / "images", train=96, test=11)
-    argv = ["--dataset=imagefolder", f"--data_dir={folder / 'images'}", "--num_workers=1",
+    argv = [*PINNED, "--dataset=imagefolder", f"--data_dir={folder / 'images'}", "--num_workers=1",
             "--image_size=8", "--batch_size=16", "--augment=False", "--seed=3"]  # fmt: skip
     return call(f"{__name__}:read_in_ranks", str(folder), *argv, nice=BACKGROUND), folder
 
