@@ -310,7 +310,7 @@ def saved_by(argv: list[str], epoch: int) -> dict:
     return {"config": vars(read_config(argv)), "epoch": epoch, "history": []}
 
 
-RUN = ["--epochs=5", "--output_dir=/runs/a"]
+RUN = ["--epochs=5", "--output_dir=/runs/a", "--lr=0.4"]
 
 
 @pytest.mark.parametrize(

@@ -172,7 +172,9 @@ def test_cifar10_with_an_image_folder_for_data_dir_is_refused_before_anything_is
     (images / "train" / "cat").mkdir(parents=True)
     (images / "train" / "cat" / "0.png").write_bytes(b"an image")
     before = snapshot(images)
-    result = run_script(f"--data_dir={images}", f"--output_dir={tmp_path / 'out'}")
+    result = run_script(
+        "--dataset=cifar10", "--image_size=32", f"--data_dir={images}", f"--output_dir={tmp_path / 'out'}"
+    )
     assert (result.returncode, result.stdout) == (2, "")
     assert (
         result.stderr
@@ -206,7 +208,10 @@ def resumed(argv: list[str], saved: dict, restart: str = "") -> tuple[SimpleName
 
 def test_a_resume_goes_on_with_the_checkpoints_settings_whatever_the_block_says_now():
     """`--output_dir X --resume True` alone: every setting the checkpoint's, where it is and that it resumes now's."""
-    saved = {name: another_value(name) for name in SETTINGS} | {"BATCH_SIZE": 64, "WORLD_SIZE": 2}
+    saved = {name: another_value(name) for name in SETTINGS} | {"WORLD_SIZE": 2}
+    saved["DATASET"] = next(data for data in ("synthetic", "imagefolder") if data != td.DATASET)  # any IMAGE_SIZE
+    batches = range(64 * saved["ACCUMULATE"], 10**6, 2 * saved["ACCUMULATE"])  # split over 2 ranks, not the block's
+    saved["BATCH_SIZE"] = next(batch for batch in batches if batch != td.BATCH_SIZE)
     cfg, said = resumed(["--output_dir=/runs/a", "--resume"], saved)
     assert vars(cfg) == saved | {"OUTPUT_DIR": "/runs/a", "RESUME": True}
     taken = sorted(set(SETTINGS) - {"OUTPUT_DIR", "RESUME"})
@@ -218,7 +223,7 @@ def test_a_resume_goes_on_with_the_checkpoints_settings_whatever_the_block_says_
 def test_the_command_line_changes_on_resume_only_what_a_resume_may_change():
     """FREE_ON_RESUME, and EPOCHS upwards; a value that changes any other setting is refused in one line, and one
     that repeats the checkpoint's is accepted (restarts repeat the full command)."""
-    saved = vars(read_config(["--epochs=5"]))
+    saved = vars(read_config(["--epochs=1", "--batch_size=5040", "--world_size=2"]))  # 5040: split by 1 to 10
     for name in sorted(set(SETTINGS) - {"RESUME"}):
         value = another_value(name)
         argv = [f"--{name.lower()}={value}", "--resume"]
@@ -231,16 +236,14 @@ def test_the_command_line_changes_on_resume_only_what_a_resume_may_change():
 
 
 def test_epochs_grow_on_resume_only_and_the_first_lines_say_so():
-    saved = vars(read_config(["--epochs=5"]))
+    saved = vars(read_config(["--epochs=5", "--batch_size=48", "--accumulate=1", "--output_dir=/runs/a"]))
     cfg, said = resumed(["--epochs=8", "--resume"], saved)
-    assert cfg.EPOCHS == 8 and said == [
+    assert cfg.EPOCHS == 8 and said[-1:] == [
         "extended from 5 to 8 epochs: the schedule is recomputed over 8, so the numbers differ from those of a run "
         "started with --epochs 8"
     ]
-    with pytest.raises(
-        UserError, match="^RESUME=True: EPOCHS=3 differs from the checkpoint's 5 in ./output; resume wi"
-    ):
-        resumed(["--epochs=3", "--resume"], saved)
+    with pytest.raises(UserError, match="^RESUME=True: EPOCHS=3 differs from the checkpoint's 5 in /runs/a; resume wi"):
+        resumed(["--epochs=3", "--resume", "--output_dir=/runs/a"], saved)
     with pytest.raises(UserError, match=f"^this start is a restart \\({RESTART}\\): EPOCHS=8 differs"):
         resumed(["--epochs=8"], saved, restart=RESTART)  # a restart repeats its command: it changes nothing
 
@@ -282,9 +285,9 @@ def test_a_resume_is_checked_with_the_checkpoints_batch_and_a_refusal_names_it_a
 ):
     """A resume goes on with the checkpoint's BATCH_SIZE (48): the block's (here 512) never refuses it, and one that
     does not split over the ranks now is refused naming the checkpoint's value and the settings a resume may change."""
-    saved = vars(read_config(["--batch_size=48"]))
+    saved = vars(read_config(["--batch_size=48", "--accumulate=1"]))
     block = edited_copy(tmp_path, monkeypatch, "BATCH_SIZE", "512")
-    assert settings.read_and_check(block, ["--resume", "--world_size=3"]).BATCH_SIZE == 512
+    assert settings.read_and_check(block, ["--resume", "--world_size=3", "--accumulate=1"]).BATCH_SIZE == 512
     assert resumed(["--resume", "--world_size=3"], saved)[0].BATCH_SIZE == 48
     with pytest.raises(UserError) as refusal:
         resumed(["--resume", "--world_size=5"], saved)
@@ -293,7 +296,7 @@ def test_a_resume_is_checked_with_the_checkpoints_batch_and_a_refusal_names_it_a
         "--accumulate that splits it"
     )
     with pytest.raises(UserError, match="^BATCH_SIZE=512 does not split evenly over 3 ranks; use a multiple$"):
-        settings.read_and_check(block, ["--world_size=3"])  # a new run: the block's value
+        settings.read_and_check(block, ["--world_size=3", "--accumulate=1"])  # a new run: the block's value
 
 
 # ----------------------------------------------------------------------------- the learning rate

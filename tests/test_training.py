@@ -571,7 +571,7 @@ def test_a_non_finite_loss_stops_every_rank_in_one_line_and_keeps_the_last_good_
     result = run_script(*REFERENCE, f"--output_dir={folder}", "--resume=True")
     assert result.returncode == 2, result.stderr
     assert lines(result.stderr) == [
-        f"error: the training loss became nan in epoch 3; lower --lr ({train_distribute.LR}); the files in "
+        f"error: the training loss became nan in epoch 3; lower --lr ({checkpoint['config']['LR']}); the files in "
         f"{folder} are from epoch 2: continue with --resume True"
     ]
     assert (folder / "checkpoint.pt").read_bytes() == saved and csv_rows(folder) == 2
@@ -633,8 +633,8 @@ def test_a_resume_with_changed_settings_is_refused_in_one_line(reference_run, tm
     result = run_script(*REFERENCE, "--lr=0.1", f"--output_dir={folder}", "--resume=True")
     assert result.returncode == 2 and result.stdout == ""
     assert lines(result.stderr) == [
-        f"error: RESUME=True: LR=0.1 differs from the checkpoint's {train_distribute.LR} in {folder}; resume without "
-        "--lr, or start a new run in another --output_dir"
+        f"error: RESUME=True: LR=0.1 differs from the checkpoint's {read_config(REFERENCE).LR} in {folder}; "
+        "resume without --lr, or start a new run in another --output_dir"
     ]
     assert results(folder) == before
 
