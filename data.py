@@ -119,8 +119,7 @@ def load(cfg: SimpleNamespace, info: DistInfo, memory_format: torch.memory_forma
     identity = f"{', '.join(counts)} images of {size}, {len(classes)} classes, {source}"
     identity += f", held out: HOLDOUT={cfg.HOLDOUT} of each class drawn by SEED={cfg.SEED}" if val else ""
     record = {"identity": identity, "classes": classes, "mean": mean, "std": std, "image_size": cfg.IMAGE_SIZE}
-    stretched = found if found not in (None, size) else None  # the images' size, where they are stretched
-    record |= {"loader": how, "train_images": len(train), "stretched": stretched}
+    record |= {"loader": how, "train_images": len(train), "stretched": found if found not in (None, size) else None}
     return train, {name: loader for name, loader in evaluated.items() if loader}, record
 
 

@@ -64,10 +64,9 @@ class ResultWriter:
             self.events.close() if self.events else None
 
     def _write(self, snapshot: dict[str, Any], history: list[dict]) -> None:
-        checkpoint, best = (os.path.join(self.output_dir, name) for name in (CHECKPOINT_NAME, BEST_NAME))
-        if is_best := best_row(history)[1] is history[-1]:  # first: no checkpoint names a best epoch not in best.pt
-            write_atomically(best, lambda tmp: torch.save(snapshot, tmp))
-        write_atomically(checkpoint, lambda tmp: shutil.copyfile(best, tmp) if is_best else torch.save(snapshot, tmp))
+        best = [BEST_NAME] * (best_row(history)[1] is history[-1])  # a new best epoch's best.pt before checkpoint.pt,
+        for name in [*best, CHECKPOINT_NAME]:  # so that no checkpoint names a best epoch that best.pt lacks
+            write_atomically(os.path.join(self.output_dir, name), lambda tmp: torch.save(snapshot, tmp))
         write_csv(history, self.output_dir)  # after the checkpoint: the CSV can always be rebuilt from it
         self.saved = history
         if self.events:  # TensorBoard's curves, beside the CSV: every numeric column
@@ -164,18 +163,20 @@ def describe(model: torch.nn.Module, cfg: Any, info: Any, data: dict, steps: int
 
 
 def progress(batches: Iterable, steps: int, epoch: int, cfg: Any) -> Iterator:
-    """An epoch's batches: on a terminal a bar with rate and time left (tqdm), in a log a line per PROGRESS_EVERY."""
+    """An epoch's batches: on a terminal a bar with rate and time left (tqdm), in a log a line per PROGRESS_EVERY. The
+    clock starts after the first step (a compiled epoch's is the compile): its rate and time left are the steps'."""
+    yield next(batches := iter(batches))  # (an epoch has a step at least: data.load)
     if sys.stderr.isatty():
         from tqdm import tqdm
 
-        bar = {"unit": "img", "unit_scale": cfg.BATCH_SIZE, "leave": False, "dynamic_ncols": True}
+        bar = {"unit": "img", "unit_scale": cfg.BATCH_SIZE, "leave": False, "dynamic_ncols": True, "initial": 1}
         yield from tqdm(batches, f"epoch {epoch}/{cfg.EPOCHS}", total=steps, **bar)
         return
     started = said = time.monotonic()
-    for step, batch in enumerate(batches, 1):
+    for step, batch in enumerate(batches, 2):
         yield batch
         if (now := time.monotonic()) - said >= PROGRESS_EVERY:
-            said, rate = now, step / (now - started)
+            said, rate = now, (step - 1) / (now - started)
             done = f"{step:,} of {steps:,} steps, {rate * cfg.BATCH_SIZE:,.0f} img/s"
             print(f"epoch {epoch}/{cfg.EPOCHS}: {done}, {(steps - step) / rate / 60:.1f} min left", flush=True)
 

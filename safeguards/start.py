@@ -147,7 +147,7 @@ def read_weights(path: str, named: str = "") -> tuple[dict[str, torch.Tensor], d
     except ImportError:
         raise UserError(f"{named}{path} is a .safetensors file: pip install safetensors to read it") from None
     except Exception as e:
-        raise UserError(f"cannot read {named}{path} ({failures.first_line(e, 80)}); {fix}") from None
+        raise UserError(f"{named}{path} is no checkpoint torch reads ({failures.first_line(e, 60)}); {fix}") from None
     checkpoint = saved if isinstance(saved, dict) and {"model", "config", "data"} <= saved.keys() else None
     weights = saved.get("model", saved.get("state_dict", saved)) if isinstance(saved, dict) else saved
     if not (isinstance(weights, dict) and weights and all(torch.is_tensor(t) for t in weights.values())):

@@ -89,6 +89,9 @@ def swapped_copy(folder: Path, network: str) -> Path:
 
 
 def main(args: list[str]) -> int:
+    if args[:1] in (["-h"], ["--help"]):  # its own usage; pytest's options after a network: `cnn --help`
+        print(__doc__.split("\n\n")[1])
+        return 0
     name = args.pop(0) if args and not args[0].startswith("-") else "cnn"
     network = network_named(name)
     with tempfile.TemporaryDirectory(prefix=f"swapped-{name.replace(':', '-')}-") as folder:

@@ -283,3 +283,9 @@ def test_ddp_comments_mark_every_call_where_ranks_meet_and_only_those():
                 "DDP:" in line and not line.startswith(('"', " " * 4 + '"')) and n > 12
             ):  # (the docstring says what it is)
                 assert any(MEETING.search(statement) for statement in code[n : n + 5]), f"{name}:{n + 1}: {line}"
+
+
+def test_the_swap_prints_its_own_usage_on_help(capsys):
+    """`python -m tests.swap_network --help`: its usage, not pytest's from a swapped copy."""
+    assert swap_network.main(["--help"]) == 0
+    assert "python -m tests.swap_network mobilenet_v3_small" in capsys.readouterr().out

@@ -432,3 +432,14 @@ def test_a_resume_from_the_checkpoint_on_another_machine_brings_its_best_pt_wher
     kind, checkpoint, _ = start.begin(cfg, "", handed, where="node1:/there")
     assert kind == "resume" and "best.pt" not in checkpoint  # the bytes go to the file, not on to every rank
     assert (tmp_path / "here" / files.BEST_NAME).read_bytes() == b"the other machine's best.pt"
+
+
+def test_progress_in_a_log_starts_its_clock_after_the_first_step(monkeypatch, capsys):
+    """A compiled epoch's first step is the compile (minutes): the progress lines' rate and time left are those of
+    the steps after it, and the first line comes after the second step."""
+    monkeypatch.setattr(files, "PROGRESS_EVERY", 0.0)
+    for step, _ in enumerate(files.progress(range(5), 5, 1, SimpleNamespace(BATCH_SIZE=10, EPOCHS=1))):
+        time.sleep(0.5 if step == 0 else 0.01)  # the first step takes 50 times as long as the others
+    said = capsys.readouterr().out.splitlines()
+    assert [line.split(": ")[1].split(" of")[0] for line in said] == ["2", "3", "4", "5"], said
+    assert int(said[0].split(" steps, ")[1].split(" img/s")[0].replace(",", "")) > 100, said  # 4 img/s counting it

@@ -260,7 +260,8 @@ def test_output_cut_short_by_the_reader_ends_without_a_traceback(trained, tmp_pa
     "problem, words",
     [
         ("missing checkpoint", "No such file or directory"),
-        ("unreadable checkpoint", "cannot read"),
+        ("unreadable checkpoint", "garbage.pt is no checkpoint torch reads ("),
+        ("the results' CSV for a checkpoint", "pytorch_res.csv is no checkpoint torch reads ("),
         ("weights alone", "holds a network's weights alone; predict.py needs a run's checkpoint.pt"),
         ("missing path", "does not exist"),
         ("folder without images", "is no image and holds none"),
@@ -281,6 +282,8 @@ def test_bad_input_is_one_line_with_exit_2(trained, tmp_path, problem, words):
     if problem == "unreadable checkpoint":
         checkpoint = tmp_path / "garbage.pt"
         checkpoint.write_bytes(b"garbage")
+    if problem == "the results' CSV for a checkpoint":
+        checkpoint = out / "pytorch_res.csv"
     if problem == "weights alone":
         checkpoint = tmp_path / "other.pt"
         torch.save(torch.load(out / "checkpoint.pt", weights_only=True)["model"], checkpoint)
