@@ -7,6 +7,7 @@ reference run, runs with decoding workers), start in the background as the sessi
 a lower priority: the tests that run meanwhile go first, and the cores they leave idle are used.
 """
 
+import getpass
 import json
 import os
 import signal
@@ -129,6 +130,14 @@ SERVER: list[Server] = []
 
 
 def pytest_sessionstart(session) -> None:
+    """Every temporary file of the session, its runs' too, below pytest's own base folder, which pytest rotates;
+    torch's compile cache stays where torch keeps it, so that a compiled run finds the graphs of the last session."""
+    tmp = session.config._tmp_path_factory.getbasetemp() / "tmp"
+    tmp.mkdir(exist_ok=True)
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    )
+    os.environ["TMPDIR"] = tempfile.tempdir = str(tmp)
     SERVER.append(Server())
 
 
