@@ -317,7 +317,7 @@ def test_auto_precision_is_fp16_with_loss_scaling_on_gpus_without_fast_bf16_and_
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     precision = start.precision(torch.device("cuda", 0), "auto", ResNet(4), 32)
     assert precision == {"fp16": "fp16 autocast, dynamic loss scaling", "bf16": "bf16 autocast"}[words]
-    cfg = read_config(["--optimizer=muon", "--width=16"])
+    cfg = read_config(["--optimizer=muon"])
     banks = muon.make_optimizer(cfg, ResNet(16), 0.1, torch.device("cpu"), precision.startswith("bf16")).banks.padded
     assert (torch.bfloat16 in {bank.dtype for bank in banks}) == (words == "bf16")  # 128 rows and more: bf16
     for chosen in ("fp16", "fp32"):
@@ -357,7 +357,7 @@ def test_an_fp16_step_whose_gradients_overflow_on_one_rank_is_skipped_on_every_r
     1's gradients overflow; averaged over the ranks, every rank's are inf, and every rank skips the step and halves its
     loss scale. The next step trains, and the ranks' weights stay equal. Muon's banks (128 rows: bf16 where the run
     is) are fp32."""
-    argv = [*TINY, "--precision=fp16", "--optimizer=muon", "--width=16", "--output_dir=unused"]
+    argv = [*TINY, "--precision=fp16", "--optimizer=muon", *width(16), "--output_dir=unused"]
     result = call(f"{__name__}:step_with_an_overflow", str(tmp_path), *argv)
     assert result.returncode == 0, result.stderr
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
