@@ -71,8 +71,8 @@ class Cluster:
     """The daemons, started in the foreground as this process's children; `env` reaches the cluster."""
 
     def __init__(self) -> None:
-        # munged wants every folder above its socket open to all: not pytest's (0700) temporary folders
-        self.folder = Path(tempfile.mkdtemp(prefix="slurm-cluster-"))
+        # munged wants every folder above its socket open to all: /tmp, not pytest's (0700) folders (removed at stop)
+        self.folder = Path(tempfile.mkdtemp(prefix="slurm-cluster-", dir="/tmp"))
         self.folder.chmod(0o755)
         self.env = {**os.environ, "SLURM_CONF": str(self.folder / "slurm.conf")}
         self.daemons: list[subprocess.Popen] = []

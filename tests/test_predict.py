@@ -340,6 +340,8 @@ def test_one_reader_takes_a_checkpoint_or_a_state_dict_in_the_common_forms(train
 
     weights, checkpoint = start.read_weights(str(trained[0] / "checkpoint.pt"))
     assert checkpoint is not None and checkpoint["model"].keys() == weights.keys()
+    best, of_best = start.read_weights(str(trained[0] / "best.pt"))  # the best epoch's, read alike (INIT_FROM too)
+    assert of_best["epoch"] <= checkpoint["epoch"] and best.keys() == weights.keys()
     forms = {
         "bare.pth": weights,
         "ddp.pth": {f"module.{name}": tensor for name, tensor in weights.items()},
