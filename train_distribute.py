@@ -4,9 +4,9 @@
     python train_distribute.py --epochs 5 --width 16    # override any setting below for one run (--help lists them)
     torchrun --standalone --nproc_per_node=4 train_distribute.py
 
-Edit a setting below and rerun. Rank 0 prints one line per epoch and writes OUTPUT_DIR/pytorch_res.csv, pytorch_res.png
-and checkpoint.pt. Comments starting "DDP:" mark where ranks meet: every rank must make those calls. Calls into
-safeguards/ keep runs safe (resume, one run per folder, files, failures): skip them on a first read."""
+Edit a setting below and rerun. Rank 0 prints one line per epoch and writes OUTPUT_DIR/pytorch_res.csv, pytorch_res.png,
+checkpoint.pt and best.pt (the best epoch's). Comments starting "DDP:" mark where ranks meet: every rank must make those
+calls. Calls into safeguards/ keep runs safe (resume, one run per folder, files, failures): skip them at first."""
 
 import math
 import sys
