@@ -388,7 +388,9 @@ def test_epochs_without_evaluation_leave_the_summary_and_the_picture_whole(tmp_p
 def test_a_run_of_a_few_steps_in_all_says_so_in_its_first_line(schedule):
     """A global batch that leaves 2 steps in the whole run: a schedule with a warm-up (onecycle, cosine) can neither
     warm up nor decay; a constant LR has neither to do."""
-    cfg = read_config(["--dataset=synthetic", "--epochs=2", "--batch_size=512", f"--schedule={schedule}"])
+    cfg = read_config(
+        ["--dataset=synthetic", "--epochs=2", "--batch_size=512", f"--schedule={schedule}", "--compile=False"]
+    )
     info = SimpleNamespace(world_size=2, device=torch.device("cpu"), backend="gloo")
     record = {"identity": "1,000 train, 200 test images of 32x32", "stretched": None, "loader": "memory"}
     line = files.describe(torch.nn.Linear(1, 1), cfg, info, {**record, "train_images": 1000}, 1, "fp32")
