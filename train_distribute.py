@@ -170,8 +170,8 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
             history.append(row)
             if writer:  # checkpoint.pt: weights (no DDP prefixes), optimizer, rows, what resume and predict.py need
                 state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "history": history}
-                state |= {"epoch": epoch, "config": vars(cfg), "data": run.data, "ranks": info.world_size}  # ranks: a
-                state |= {"precision": run.precision, "scaler": run.scaler.state_dict()}  # resume on others says so
+                state |= {"epoch": epoch, "config": vars(cfg), "data": run.data, "precision": run.precision}
+                state |= {"ranks": info.world_size, "scaler": run.scaler.state_dict()}  # fp16's loss scale goes on too
                 writer.submit(state, history)
                 shown = "  ".join(f"{key} {row[key]:.4f}" for key in ("loss", *scores)) + f"  lr {lr:.4g}"
                 speed = f"{epoch_seconds:.1f} s  {row['images_per_second']:,.0f} img/s"
