@@ -90,15 +90,25 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
 
 
 def choose_device(local_rank: int, local_world_size: int, gpus: int) -> tuple[torch.device, str]:
-    """NCCL on this rank's own GPU when there are GPUs, gloo on the CPU otherwise. With every GPU of the machine
-    visible the rank takes GPU `local_rank`; with one visible per process (SLURM's --gpus-per-task=1) that one."""
+    """NCCL on this rank's own GPU (GPU `local_rank`) when there are GPUs, gloo on the CPU otherwise. More ranks here
+    than GPUs would put two on one: refused (ranks of one torchrun see the same GPUs), before any training."""
     if gpus == 0:
         return torch.device("cpu"), "gloo"
-    if gpus >= local_world_size:
-        return torch.device("cuda", local_rank), "nccl"
-    if gpus == 1:
-        return torch.device("cuda", 0), "nccl"
-    raise UserError(f"{local_world_size} ranks would share {gpus} GPUs; start one per GPU (--nproc_per_node={gpus})")
+    if gpus < local_world_size:
+        fix = f"start one per GPU (--world_size {gpus}; torchrun: --nproc_per_node={gpus})"
+        raise UserError(f"{local_world_size} ranks of this machine would share {gpus} GPU(s); {fix}")
+    return torch.device("cuda", local_rank), "nccl"
+
+
+def refuse_shared_gpu(store: dist.Store, world_size: int, gpu: str) -> None:
+    """Ranks of several torchruns on one machine (each with GPU 0, say) must not share a GPU either: every rank counts
+    its GPU's UUID (torch 2.5 on; "": not known), then each of those on a GPU counted twice says so."""
+    store.add(f"gpu {gpu}", 1)
+    if store.add("gpus counted", 1) == world_size:  # the last to count tells all
+        store.set("every gpu counted", "")
+    store.wait(["every gpu counted"])  # DDP: every rank (on GPUs)
+    if gpu and (ranks := store.add(f"gpu {gpu}", 0)) > 1:
+        raise UserError(f"{ranks} ranks would share GPU {gpu}; give each its own (one torchrun per machine, say)")
 
 
 def setup(timeout_s: float = 600.0) -> DistInfo:
@@ -112,11 +122,13 @@ def setup(timeout_s: float = 600.0) -> DistInfo:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device, backend = choose_device(local_rank, local_world_size, gpus)
     options: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))  # the machine's cores, shared
+    store = failures.attempt_store(rank, world_size, options["timeout"])  # DDP: every rank; a restart's own keys
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so that NCCL never puts two ranks on GPU 0
         options["device_id"] = device
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))  # the machine's cores, shared
-    store = failures.attempt_store(rank, world_size, options["timeout"])  # DDP: every rank; a restart's own keys
+        gpu = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+        refuse_shared_gpu(store, world_size, gpu)  # DDP: every rank counts its GPU, then waits for all
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **options)  # DDP: every rank joins
     return DistInfo(rank, local_rank, world_size, local_world_size, device, backend)
 

@@ -11,9 +11,10 @@ calls. Calls into safeguards/ keep runs safe (resume, one run per folder, files,
 import math
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -87,6 +88,7 @@ class Run:
     data: dict[str, Any]  # what the checkpoint records of the data: identity, classes, normalisation
     precision: str  # the first line's words on it, first "bf16", "fp16" (its loss scaled by `scaler`) or "fp32"
     scaler: torch.amp.GradScaler  # fp16's dynamic loss scaling (a step whose gradients overflow is skipped); else off
+    step_sums: dict = field(default_factory=lambda: defaultdict(float))  # train_step's values: CSV columns, per step
 
 
 class WithLoss(nn.Module):
@@ -148,7 +150,7 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     try:
         for epoch in range(len(history) + 1, cfg.EPOCHS + 1):
             epoch_started = time.perf_counter()
-            (loss_sum, correct, images), train_seconds, lr = train_epoch(run, epoch)
+            (loss_sum, correct, images), train_seconds, lr, step_means = train_epoch(run, epoch)
             due = epoch % cfg.EVAL_EVERY == 0 or epoch == cfg.EPOCHS  # the last: its acc is the final checkpoint's
             scores = evaluate(run, due)  # DDP: every rank alike (when due)
             epoch_seconds = time.perf_counter() - epoch_started
@@ -160,6 +162,7 @@ def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
                 "loss": loss_sum / images,  # mean training loss over every image of the epoch on all ranks
                 **scores,  # acc and test_loss (every test image exactly once); val_acc and val_loss with HOLDOUT
                 "train_acc": correct / images,
+                **step_means,  # each value train_step adds to run.step_sums, averaged over the epoch's steps and ranks
                 "lr": lr,  # at the epoch's last step
                 "epoch_seconds": epoch_seconds,  # this epoch's training steps and evaluation
                 "elapsed_seconds": earlier_seconds + time.perf_counter() - started,
@@ -202,12 +205,13 @@ def lr_at(step: int, total_steps: int, peak: float, schedule: str, warmup: float
     return peak * (left if schedule == "onecycle" else (1 - math.cos(math.pi * left)) / 2)  # cosine: a half wave
 
 
-def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
+def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float, dict[str, float]]:
     """One epoch of training steps: the all-ranks sums [loss x images, correct, images], this rank's seconds of
-    training steps, the last step's learning rate."""
+    training steps, the last step's learning rate, the means of run.step_sums over the steps of every rank."""
     cfg, info = run.cfg, run.info
     steps = run.train_data.steps_per_epoch(cfg.BATCH_SIZE)
     sums = torch.zeros(3, device=info.device)  # on the device: no host sync per step
+    run.step_sums.clear()
     run.ddp_model.train()
     torch.cuda.synchronize() if info.device.type == "cuda" else None  # the clock starts with nothing queued
     started, lr = time.perf_counter(), 0.0
@@ -220,11 +224,13 @@ def train_epoch(run: Run, epoch: int) -> tuple[list[float], float, float]:
         train_step(run, x, y, lr, sums)
     torch.cuda.synchronize() if info.device.type == "cuda" else None  # and stops when the steps are done
     seconds = time.perf_counter() - started
+    sums = torch.cat([sums, *(value.reshape(1).float() for value in run.step_sums.values())])  # every rank's alike
     dist.all_reduce(sums)  # DDP: the epoch's sums over all ranks, once
-    loss_sum, correct, images = sums.tolist()
+    loss_sum, correct, images, *step_sums = sums.tolist()
     if not math.isfinite(loss_sum):  # every rank sees the same sums: all stop, the last good checkpoint stays
         raise UserError(f"the training loss became {loss_sum} in epoch {epoch}; lower --lr ({cfg.LR}); {failures.KEPT}")
-    return [loss_sum, correct, images], seconds, lr
+    means = {name: total / (steps * info.world_size) for name, total in zip(run.step_sums, step_sums, strict=True)}
+    return [loss_sum, correct, images], seconds, lr, means
 
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, sums: torch.Tensor) -> None:
@@ -244,6 +250,7 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, lr: float, sums: torc
             sums[0].add_(loss.detach(), alpha=len(y_part))  # in place: a launch each (+= on an element is two)
             sums[1].add_((logits.argmax(dim=1) == y_part).sum())
             sums[2].add_(len(y_part))
+    # a value of this step as a CSV column (its epoch's mean): run.step_sums["name"] += a device tensor (README)
     # DDP: Muon's step all-reduces the filters' updates (each rank computes its share). fp16: a step whose gradients
     # overflowed is skipped (one host sync a step), on every rank alike: the gradients were averaged over all of them
     run.scaler.step(run.optimizer)

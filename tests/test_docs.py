@@ -263,6 +263,7 @@ def test_readmes_recipes_train_on_a_csv_of_paths_and_on_an_npz_refuse_other_data
 MEETING = re.compile(  # calls where every rank must take part: collectives, and the functions that make them
     r"\bdist\.(all_reduce|broadcast|barrier|all_gather_object|broadcast_object_list|init_process_group)\("
     r"|\b(all_ranks_try|all_ranks_begin|readable_enough|attempt_store|DistributedDataParallel|evaluate)\("
+    r"|\b(refuse_shared_gpu|store\.wait)\("
     r"|\b(start\.restore|data\.load|distribute_tools\.setup|distribute_tools\.cleanup)\("
     r"|\.backward\(|\.step\(|\b(train|eval)_batches\("  # DDP's all-reduce, Muon's, a streamed pass's end
 )

@@ -13,12 +13,14 @@ import sys
 import tempfile
 import termios
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
+import distribute_tools
 import train_distribute
 from safeguards import failures
 from tests.conftest import (
@@ -121,6 +123,38 @@ def test_a_mistake_the_ranks_find_is_one_line_from_the_launcher(tmp_path):
     out, err = run.communicate(timeout=HANG_TIMEOUT)
     assert run.returncode == 2 and len(lines(err)) == 1, err
     assert err == "error: 40 training images, fewer than BATCH_SIZE=48; lower it\n", err
+
+
+@pytest.mark.parametrize("local_ranks, gpus", [(2, 1), (4, 2)])
+def test_more_ranks_on_a_machine_than_its_gpus_are_refused_on_every_rank_alike(local_ranks, gpus):
+    """Ranks of one torchrun (or of our launcher) see the same GPUs: more of them than GPUs would put two on one."""
+    for local_rank in range(local_ranks):
+        with pytest.raises(failures.UserError) as refused:
+            distribute_tools.choose_device(local_rank, local_ranks, gpus)
+        fix = f"start one per GPU (--world_size {gpus}; torchrun: --nproc_per_node={gpus})"
+        assert str(refused.value) == f"{local_ranks} ranks of this machine would share {gpus} GPU(s); {fix}"
+    assert distribute_tools.choose_device(1, 2, 2) == (torch.device("cuda", 1), "nccl")
+    assert distribute_tools.choose_device(0, 1, 1) == (torch.device("cuda", 0), "nccl")  # one per task (SLURM's)
+    assert distribute_tools.choose_device(1, 2, 0) == (torch.device("cpu"), "gloo")
+
+
+@pytest.mark.parametrize("gpus", [["GPU-a", "GPU-b", "GPU-a"], ["GPU-a", "GPU-b", "GPU-c"], ["", "", ""]])
+def test_ranks_of_several_torchruns_on_one_gpu_are_refused_on_each_of_them(gpus):
+    """Every rank counts its GPU in the store and waits for all (three ranks here, threads on one store): each rank on
+    a GPU counted twice is refused in one line; other GPUs, or GPUs of unknown UUID (torch 2.4), go on."""
+    store = torch.distributed.HashStore()
+
+    def rank(gpu: str) -> str:
+        try:
+            distribute_tools.refuse_shared_gpu(store, len(gpus), gpu)
+        except failures.UserError as e:
+            return str(e)
+        return ""
+
+    with ThreadPoolExecutor(len(gpus)) as pool:
+        said = list(pool.map(rank, gpus))
+    shared = "2 ranks would share GPU GPU-a; give each its own (one torchrun per machine, say)"
+    assert said == [shared if gpus.count(gpu) > 1 and gpu else "" for gpu in gpus]
 
 
 def without_tensorboard(*argv: str) -> int:

@@ -26,6 +26,7 @@ from safeguards import files, settings, start
 from tests.conftest import (
     BACKGROUND,
     HANG_TIMEOUT,
+    SCRIPT,
     TINY,
     alive,
     call,
@@ -500,6 +501,43 @@ def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_nu
     assert done.resumed == 0, done.resumed_err
     assert ("| loader stream, 1 worker(s) per rank |" in done.resumed_out) == (loader == "stream"), done.resumed_out
     assert ("| fp16 autocast, dynamic loss scaling |" in done.first) == (loader == "fp16"), done.first
+    assert_same_epochs(done.stopped, done.alone)
+
+
+GRAD_NORM = 'run.step_sums["grad_norm"] += torch.nn.utils.clip_grad_norm_(run.model.parameters(), math.inf)'
+
+
+def stopped_with_a_step_column() -> SimpleNamespace:
+    """README's one edit in train_step (GRAD_NORM, before the optimizer step) in a copy of the script; its run without
+    a stop, and stopped by SIGTERM during epoch 2's files and resumed: a scenario, in the background."""
+    tmp = Path(tempfile.mkdtemp(prefix="step-column-"))
+    step = "    run.scaler.step(run.optimizer)\n"
+    (copy := tmp / "train_distribute.py").write_text(SCRIPT.read_text().replace(step, f"    {GRAD_NORM}\n{step}", 1))
+    alone, stopped, args = tmp / "alone", tmp / "stopped", [str(copy), *SHORT, "--epochs=3"]
+    uninterrupted = launch(*args, f"--output_dir={alone}", call="tests.hooked_run:edited_copy", nice=BACKGROUND)
+    env = clean_env(TEST_SLOW_EPOCH="2", TEST_MARKER=str(tmp / "m"))
+    run = launch(*args, f"--output_dir={stopped}", call="tests.hooked_run:edited_copy", env=env, nice=BACKGROUND)
+    wait_for_marker(tmp / "m", run)  # epoch 1 is in the CSV, epoch 2's files are being written
+    os.kill(run.pid, signal.SIGTERM)
+    code = run.wait(HANG_TIMEOUT)
+    resumed = launch(
+        *args, f"--output_dir={stopped}", "--resume=True", call="tests.hooked_run:edited_copy", nice=BACKGROUND
+    )
+    outputs = [process.communicate(timeout=HANG_TIMEOUT) for process in (uninterrupted, resumed)]
+    return SimpleNamespace(code=code, alone=alone, stopped=stopped, outputs=outputs, edited=copy.read_text())
+
+
+@needs((stopped_with_a_step_column,))
+def test_a_value_of_each_step_is_a_csv_column_with_one_edit_and_a_resume_gives_the_same_values():
+    """README's table: `run.step_sums["name"] += value` in train_step adds the column `name`, the mean of the value over
+    the epoch's steps on every rank (here the gradient norm, the same on every rank), exact after a resume."""
+    done = scenario(stopped_with_a_step_column)
+    assert done.edited.count(GRAD_NORM) == 1 and done.code == 75
+    assert [out[1] for out in done.outputs] == ["", ""], done.outputs
+    columns = pd.read_csv(done.alone / files.CSV_NAME).columns.tolist()
+    assert columns[columns.index("train_acc") + 1] == "grad_norm", columns
+    norms = pd.read_csv(done.alone / files.CSV_NAME)["grad_norm"]
+    assert len(norms) == 3 and norms.between(1e-3, 1e3).all() and norms.nunique() == 3, norms
     assert_same_epochs(done.stopped, done.alone)
 
 
