@@ -31,15 +31,13 @@ from safeguards.failures import KEPT, STOP_SIGNALS, UserError, first_line, ignor
 
 # CIFAR-10's published statistics, 0..1 units (generated images are made alike: mean 0.5, std about 0.25)
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-# Image folders: ImageNet's published statistics, as torchvision's models expect (the BatchNorm after the first layer
-# absorbs a mismatch, and no pass over the images is needed before the start).
+# Image folders: ImageNet's, as torchvision's models expect (the first BatchNorm absorbs a mismatch; no pass first)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SYNTHETIC_CLASSES = 10
 EVAL_BATCH = 500  # test images per evaluation batch
 UNREADABLE_STOP = 0.1  # a pass over an image folder with more unreadable files than this share stops the run
 MEMORY_SHARE = 0.2  # image folders decoded take at most this share of a rank's RAM (twice, decoding) and GPU: in memory
-IN_RANK_BYTES = 8 * 2**20  # NUM_WORKERS=-1: a folder of at most this many bytes is decoded by the rank itself, in
-# about a second (CIFAR-10's JPEGs: 9 MB a second), before worker processes would have started (they import torch)
+IN_RANK_BYTES = 8 * 2**20  # NUM_WORKERS=-1: up to this size the rank decodes (9 MB/s) faster than workers start
 # torchvision's IMG_EXTENSIONS, written out: importing torchvision costs every process that lists a folder 1.4 s of CPU
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 

@@ -23,8 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from safeguards import failures
 from safeguards.failures import UserError
 
-# DDP options that leave BatchNorm statistics as each rank computes them: evaluation gives every rank rank 0's, once
-# per epoch, instead of a broadcast before every training step (torch 2.14 renamed the option).
+# DDP options: BatchNorm statistics stay each rank's (evaluation broadcasts rank 0's once an epoch); renamed in 2.14
 _RENAMED = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
 NO_BUFFER_SYNC = {"forward_sync_buffers" if _RENAMED else "broadcast_buffers": False}
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun gives its ranks
@@ -43,8 +42,7 @@ class DistInfo:
 
     @property
     def is_main(self) -> bool:
-        """Global rank 0: the only process that prints results and writes files."""
-        return self.rank == 0
+        return self.rank == 0  # global rank 0: the only process that prints results and writes files
 
 
 def under_torchrun() -> bool:
@@ -101,8 +99,7 @@ def choose_device(local_rank: int, local_world_size: int, gpus: int) -> tuple[to
 
 
 def refuse_shared_gpu(store: dist.Store, world_size: int, gpu: str) -> None:
-    """Ranks of several torchruns on one machine (each with GPU 0, say) must not share a GPU either: every rank counts
-    its GPU's UUID (torch 2.5 on; "": not known), then each of those on a GPU counted twice says so."""
+    """Ranks of several torchruns (each on GPU 0, say) count their GPU's UUID ("": unknown, torch 2.4): no sharing."""
     store.add(f"gpu {gpu}", 1)
     if store.add("gpus counted", 1) == world_size:  # the last to count tells all
         store.set("every gpu counted", "")
@@ -124,11 +121,10 @@ def setup(timeout_s: float = 600.0) -> DistInfo:
     options: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))  # the machine's cores, shared
     store = failures.attempt_store(rank, world_size, options["timeout"])  # DDP: every rank; a restart's own keys
-    if device.type == "cuda":
+    if device.type == "cuda":  # DDP: every rank counts its GPU (refuse_shared_gpu), then waits for all
         torch.cuda.set_device(device)  # before init, so that NCCL never puts two ranks on GPU 0
         options["device_id"] = device
-        gpu = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
-        refuse_shared_gpu(store, world_size, gpu)  # DDP: every rank counts its GPU, then waits for all
+        refuse_shared_gpu(store, world_size, str(getattr(torch.cuda.get_device_properties(device), "uuid", "")))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **options)  # DDP: every rank joins
     return DistInfo(rank, local_rank, world_size, local_world_size, device, backend)
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 import torch
+from matplotlib.figure import Figure
 
 import data
 import train_distribute
@@ -87,10 +88,9 @@ def main(argv: list[str]) -> int:
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     try:
         classifier, listed = Classifier(argv[0]), image_paths(argv[1:])
-        files, probabilities, marks = data.ImageFiles([(p, 0) for p in listed], classifier.image_size), [], []
-        for pixels, _, marked in data.reader(files, 256, None, workers=0, pin=False):  # 256 a pass; unreadable: marked
-            probabilities.append(classifier.probabilities(pixels))
-            marks.append(marked)
+        files = data.ImageFiles([(p, 0) for p in listed], classifier.image_size)
+        batches = data.reader(files, 256, None, workers=0, pin=False)  # 256 images a pass; the unreadable: marked
+        probabilities, marks = zip(*[(classifier.probabilities(x), marked) for x, _, marked in batches], strict=True)
         readable = (torch.cat(marks) < 0).tolist()
         found = [(path, p) for path, p, ok in zip(listed, torch.cat(probabilities), readable, strict=True) if ok]
         if not found:
@@ -116,8 +116,6 @@ def main(argv: list[str]) -> int:
 
 def write_confusion(labelled: pd.DataFrame, classes: list[str], prefix: str) -> None:
     """PREFIX.csv: the images of each true class (rows) given each class (columns); PREFIX.png: the same, drawn."""
-    from matplotlib.figure import Figure
-
     if not len(labelled):
         raise UserError("--confusion needs images in folders named by the run's classes (a run's test/); give those")
     if not os.access(folder := os.path.dirname(os.path.abspath(prefix)), os.W_OK):

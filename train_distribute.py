@@ -137,9 +137,8 @@ def build_run(cfg: SimpleNamespace, info: DistInfo) -> Run:
 def train(run: Run, checkpoint: dict[str, Any] | None) -> None:
     """The epochs: train, evaluate, report; rank 0 hands each epoch's files to a background writer."""
     cfg, info, started = run.cfg, run.info, time.perf_counter()
-    # a resumed run: the checkpoint's weights, optimizer state and rows, once its data and network are checked (a
-    # refusal is the run's only line); a new one with INIT_FROM (fine-tuning): that run's weights that fit. DDP: with
-    # INIT_FROM every rank meets (one that cannot read it stops them all)
+    # a resume: the checkpoint's weights, optimizer, rows, once its data and network are checked (a refusal is the only
+    # line); a new run with INIT_FROM: the weights that fit. DDP: with INIT_FROM every rank meets (a failure stops all)
     history = start.restore(checkpoint, run.model, run.optimizer, run.scaler, run.data["identity"], cfg)
     if info.is_main:  # rank 0 alone prints and writes files
         steps = run.train_data.steps_per_epoch(cfg.BATCH_SIZE)
@@ -299,13 +298,13 @@ def main(argv: list[str], entrypoint: Callable | str = sys.executable) -> int:
     """`python train_distribute.py`: check the settings, get the data once, start the ranks; the run's exit code. A
     rank (started by torchrun, or by this launcher through torch's elastic agent) runs main_worker."""
     if distribute_tools.under_torchrun():
-        return failures.run_rank(lambda: main_worker(settings.read_and_check(sys.modules[__name__], argv)))
+        return failures.run_rank(lambda: main_worker(settings.check(settings.read(sys.modules[__name__], argv))))
     return failures.run_launcher(lambda: launch(argv, entrypoint))
 
 
 def launch(argv: list[str], entrypoint: Callable | str) -> None:
     """The launcher: the checks, the start rule on this machine's OUTPUT_DIR, the data made ready once, the ranks."""
-    cfg = settings.read_and_check(sys.modules[__name__], argv)
+    cfg = settings.check(settings.read(sys.modules[__name__], argv))
     kind, _, cfg = start.begin(cfg, start.restarted_by())  # a resume goes on with the checkpoint's settings
     if kind == "finished":  # a resume of a complete run has nothing to do
         return

@@ -9,7 +9,8 @@
 #      project eager (b) and compiled (b', its compile time from a cold cache), ratios and MFU
 #   3. kernels (gpu_profile.py): the wall clock per step without the profiler, then the 25 slowest kernels by name
 #      with their share of the kernel time, the project beside the seed at its best, after 12 untimed steps
-#   4. only if 60 s are left: out of GPU memory in epoch 2 (another process takes the free memory once epoch 1's CSV
+#   4. two ranks on the one GPU: our launcher's 2 ranks, and 2 torchruns of one rank each, are each refused in a line
+#   5. only if 60 s are left: out of GPU memory in epoch 2 (another process takes the free memory once epoch 1's CSV
 #      is there; the run without the caching allocator) must end in one line, exit 1, epoch 1's files kept
 # usage: bash benchmarks/gpu_check.sh ARCHIVE.tar.gz|IMAGEFOLDER RESULTS_DIR [EPOCHS]   (EPOCHS: 16 unless given)
 # From a machine with a GPU (the archive travels in the ignored data/ folder, 16 MB):
@@ -85,8 +86,22 @@ timeout -k 5 "$(cap 60)" "$PY" -m benchmarks.gpu_profile --width="$WIDTH" --batc
   --out "$R/kernels.md" >/dev/null
 note "kernels: exit $? (kernels.md)"; cat "$R/kernels.md" >> "$R/summary.txt" 2>/dev/null
 
+[ -z "${DRY_RUN:-}" ] && {
+  echo "== 4. two ranks on one GPU ($(left) s left)"
+  CUDA_VISIBLE_DEVICES=0 timeout -k 5 "$(cap 30)" "$PY" train_distribute.py --dataset=synthetic --world_size=2 \
+    --output_dir="$W/shared" > /dev/null 2> "$W/shared.err"
+  note "2 ranks, 1 GPU: exit $? (want 2), $(grep -c . "$W/shared.err") line(s) (want 1): $(tail -n 1 "$W/shared.err")"
+  for i in 1 2; do  # two agents of one job on this machine, each with its rank on GPU 0
+    CUDA_VISIBLE_DEVICES=0 timeout -k 5 "$(cap 40)" "$PY" -m torch.distributed.run --nnodes=2 --nproc_per_node=1 \
+      --rdzv_backend=c10d --rdzv_endpoint=localhost:29511 --rdzv_id=shared train_distribute.py --dataset=synthetic \
+      --output_dir="$W/shared$i" > "$W/shared$i.log" 2>&1 &
+  done
+  wait
+  note "2 torchruns, 1 GPU: $(cat "$W"/shared?.log | grep -c 'ranks would share GPU') lines naming it (want 2 or more: each rank's, torchrun's summaries)"
+}
+
 [ -z "${DRY_RUN:-}" ] && [ "$(left)" -gt 60 ] && {
-  echo "== 4. out of GPU memory in epoch 2 ($(left) s left)"
+  echo "== 5. out of GPU memory in epoch 2 ($(left) s left)"
   out=$W/out-of-memory
   "$PY" - "$out" <<'PY' &
 import os, sys, time

@@ -19,10 +19,10 @@ script, not a GPU figure. --out FILE also writes the tables (markdown).
 
 import argparse
 import os
-import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,22 +32,12 @@ from torch.utils.data import DataLoader
 
 import distribute_tools
 import train_distribute as td
+from benchmarks.throughput import PilImages, cores, synchronize
 from data import make_synthetic
 from resnet import ResNet
 from safeguards import settings
 
 SLOWEST = 25  # kernels listed per side
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(steps: Iterator[Callable[[], None]], count: int, device: torch.device) -> float:
@@ -101,8 +91,6 @@ def project_steps(cfg, info) -> Iterator[Callable[[], None]]:
 
 def seed_steps(args: argparse.Namespace, info) -> Iterator[Callable[[], None]]:
     """The seed at its best (benchmarks/throughput.py's (a')): each step takes its batch from the loader first."""
-    from benchmarks.throughput import PilImages, cores
-
     images, labels = make_synthetic((2 * args.steps + args.warmup) * args.batch_size, seed=0, split=0)
     gpu = info.device.type == "cuda"
     loader = DataLoader(
@@ -166,20 +154,12 @@ def main() -> None:
     parser.add_argument("--skip_seed", action="store_true", help="the project alone")
     parser.add_argument("--out", default="", help="also write the table to this file")
     args = parser.parse_args()
-    cfg = settings.read(
-        td,
-        [
-            "--dataset=synthetic",
-            f"--synthetic_size={(2 * args.steps + args.warmup) * args.batch_size}",
-            f"--width={args.width}",
-            f"--batch_size={args.batch_size}",
-            f"--compile={args.compile}",
-            "--world_size=1",
-        ],
-    )
-    # this process is the run's one rank, as torchrun would start it
+    size = (2 * args.steps + args.warmup) * args.batch_size
+    given = [f"--synthetic_size={size}", f"--width={args.width}", f"--batch_size={args.batch_size}"]
+    cfg = settings.read(td, ["--dataset=synthetic", "--world_size=1", f"--compile={args.compile}", *given])
+    # this process is the run's one rank, as torchrun would start it (port 0: the store takes a free one)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("MASTER_PORT", "0")
     info = distribute_tools.setup()
     rows = {f"project{' (compiled)' if args.compile else ''}": profiled(project_steps(cfg, info), args, info.device)}
     torch.backends.cudnn.benchmark = False  # the seed's own setting (the project set it for itself)
@@ -191,8 +171,7 @@ def main() -> None:
     text = f"{heading}, torch {torch.__version__} ({name})\n\n{tables(rows, gpu)}\n"
     print(text, flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        Path(args.out).write_text(text)
     distribute_tools.cleanup()
 
 

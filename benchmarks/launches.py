@@ -40,16 +40,8 @@ from safeguards import files, settings
 
 PHASES = ("batch", "forward", "backward", "optimizer", "metrics", "other")
 # Which phase a line of a step loop belongs to: the first word found in the line's text decides.
-LINE_WORDS = (
-    ("optimizer", "optimizer"),
-    ("backward", "backward"),
-    ("batches", "batch"),
-    ("chunk", "batch"),
-    (".to(", "batch"),
-    ("sums", "metrics"),
-    ("model(", "forward"),
-    ("loss_fn(", "forward"),
-)
+LINE_WORDS = {"optimizer": "optimizer", "backward": "backward", "batches": "batch", "chunk": "batch", ".to(": "batch"}
+LINE_WORDS |= {"sums": "metrics", "model(": "forward", "loss_fn(": "forward"}
 
 
 def is_view(op: torch._ops.OpOverload) -> bool:
@@ -74,7 +66,7 @@ class OpCounter(TorchDispatchMode):
         if frame is None:
             return "other"
         line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-        return next((phase for word, phase in LINE_WORDS if word in line), "other")
+        return next((phase for word, phase in LINE_WORDS.items() if word in line), "other")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not is_view(func):
@@ -96,7 +88,9 @@ def join_group() -> DistInfo:
 
 def project_counts(args: argparse.Namespace, info: DistInfo) -> OpCounter:
     """train_distribute's own epoch, with the settings a user runs (and bf16 autocast on, as on a GPU)."""
-    cfg = settings.read(td, project_settings(args))
+    given = [f"--width={args.width}", f"--batch_size={args.batch_size}", f"--accumulate={args.accumulate}"]
+    given += [f"--synthetic_size={args.steps * args.batch_size}", "--dataset=synthetic", "--world_size=1", "--epochs=2"]
+    cfg = settings.read(td, [*given, "--compile=False", "--precision=bf16"])
     run = td.build_run(cfg, info)
     run.precision = "bf16 autocast"  # as on a GPU, also where this CPU would train in fp32
     run.optimizer = muon.make_optimizer(cfg, run.model, td.peak_lr(cfg), info.device, True)
@@ -105,17 +99,6 @@ def project_counts(args: argparse.Namespace, info: DistInfo) -> OpCounter:
     with OpCounter("train_epoch", "train_step") as counter:
         td.train_epoch(run, 2)
     return counter
-
-
-def project_settings(args: argparse.Namespace) -> list[str]:
-    size = args.steps * args.batch_size
-    return [f"--width={args.width}", f"--batch_size={args.batch_size}", "--dataset=synthetic", "--world_size=1"] + [
-        f"--synthetic_size={size}",
-        "--compile=False",
-        "--precision=bf16",
-        "--epochs=2",
-        f"--accumulate={args.accumulate}",
-    ]
 
 
 def seed_epoch(
@@ -135,9 +118,8 @@ def seed_epoch(
 
 def seed_counts(args: argparse.Namespace, info: DistInfo) -> OpCounter:
     torch.manual_seed(0)
-    model = ResNet(args.width, seed=True).to(info.device)
     device_ids = [info.device.index] if info.device.type == "cuda" else None
-    model = DistributedDataParallel(model, device_ids)
+    model = DistributedDataParallel(ResNet(args.width, seed=True).to(info.device), device_ids)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
     pinned = info.device.type == "cuda"
     batches = [

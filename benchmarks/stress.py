@@ -33,28 +33,27 @@ import pandas as pd
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
+TRAIN = str(ROOT / "train_distribute.py")
 SETTINGS = ["--dataset=synthetic", "--synthetic_size=2000", "--width=8", "--epochs=1", "--batch_size=256"]
 ABORT_SIGNS = ("terminate called", "SIGABRT", "Traceback", "was killed by", "core dumped")
 
 
+def csv_rows(output_dir: str) -> int:
+    return len(pd.read_csv(csv)) if (csv := Path(output_dir, "pytorch_res.csv")).exists() else 0
+
+
 def one_run(launcher: str, output_dir: str) -> str:
     """'' for a clean run, else what was wrong with it."""
-    script = str(ROOT / "train_distribute.py")
     if launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN]
     else:
-        command = [sys.executable, script, "--world_size=2"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(
-        [*command, *SETTINGS, f"--output_dir={output_dir}"], capture_output=True, text=True, env=env, timeout=300
-    )
-    output = result.stdout + result.stderr
-    signs = [sign for sign in ABORT_SIGNS if sign in output]
-    csv = Path(output_dir, "pytorch_res.csv")
-    rows = len(pd.read_csv(csv)) if csv.exists() else 0
-    problems = [f"exit {result.returncode}"] if result.returncode else []
-    problems += [f"'{sign}' in its output" for sign in signs]
-    problems += [f"{rows} CSV rows"] if rows != 1 else []
+        command = [sys.executable, TRAIN, "--world_size=2"]
+    command += [*SETTINGS, f"--output_dir={output_dir}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    output, rows = result.stdout + result.stderr, csv_rows(output_dir)
+    problems = [f"exit {result.returncode}"] * bool(result.returncode)
+    problems += [f"'{sign}' in its output" for sign in ABORT_SIGNS if sign in output]
+    problems += [f"{rows} CSV rows"] * (rows != 1)
     if problems:  # what it printed last, to see why
         problems.append("its last lines: " + " | ".join(output.strip().splitlines()[-3:]))
     return ", ".join(problems)
@@ -62,11 +61,8 @@ def one_run(launcher: str, output_dir: str) -> str:
 
 def ctrl_c_at_start(output_dir: str) -> str:
     """'' for a clean run, else what was wrong with it."""
-    command = [sys.executable, str(ROOT / "train_distribute.py"), "--world_size=2", *SETTINGS]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.Popen(
-        [*command, f"--output_dir={output_dir}"], stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
+    command = [sys.executable, TRAIN, "--world_size=2", *SETTINGS, f"--output_dir={output_dir}"]
+    run = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
     while len(subprocess.run(["pgrep", "-P", str(run.pid)], capture_output=True).stdout.split()) < 2:
         if run.poll() is not None:  # ended before both ranks existed
             break
@@ -107,8 +103,7 @@ def left_behind(marker: str) -> list[int]:
 def folder_run(args: list[str], marker: str, timeout: float, stop_at: float | None = None) -> tuple[int, str]:
     """`python train_distribute.py *args` on the image folder; with stop_at, SIGTERM to it that many seconds after its
     launch. Its exit code (-1: a hang, killed after `timeout`) and its output's last lines."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "STRESS_MARKER": marker}
-    command = [sys.executable, str(ROOT / "train_distribute.py"), *args]
+    command, env = [sys.executable, TRAIN, *args], {**os.environ, "STRESS_MARKER": marker}
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         if stop_at is not None:
@@ -126,8 +121,7 @@ def folder_run(args: list[str], marker: str, timeout: float, stop_at: float | No
 
 def trouble(output_dir: str, marker: str, epochs: int) -> list[str]:
     """What is wrong with a folder run's end: rows missing from its CSV, processes of it left."""
-    csv = Path(output_dir, "pytorch_res.csv")
-    rows = len(pd.read_csv(csv)) if csv.exists() else 0
+    rows = csv_rows(output_dir)
     return [f"{rows} rows"] * (rows != epochs) + [f"left: {left_behind(marker)}"] * bool(left_behind(marker))
 
 
@@ -142,7 +136,8 @@ def folder_runs(count: int, stops: int, timeout: float, epochs: int) -> None:
             durations.append(time.monotonic() - begun)
             problems = [f"exit {code}"] * (code != 0) + trouble(out, marker, epochs)
             clean += not problems
-            print(f"folder run {i + 1}: {', '.join(problems)}: {said}", flush=True) if problems else None
+            if problems:
+                print(f"folder run {i + 1}: {', '.join(problems)}: {said}")
         seconds = time.monotonic() - started
         print(f"folder runs: {clean} of {len(durations)} clean (exit 0, every epoch, nothing left) in {seconds:.0f} s")
         typical, clean, started = float(np.median(durations)), 0, time.monotonic()
@@ -171,11 +166,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300, help="seconds after which a folder run is a hang")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # each run's line as it ends, in a log too
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # every run on the CPU
     if args.folder_runs or args.folder_stops:
         folder_runs(args.folder_runs, args.folder_stops, args.timeout, args.folder_epochs)
-    for launcher, count in (("spawned", args.spawned), ("torchrun", args.torchrun), ("ctrl_c", args.ctrl_c_at_start)):
-        if count == 0:
-            continue
+    counts = {"spawned": args.spawned, "torchrun": args.torchrun, "ctrl_c": args.ctrl_c_at_start}
+    for launcher, count in ((launcher, count) for launcher, count in counts.items() if count):
         clean, started = 0, time.monotonic()
         with tempfile.TemporaryDirectory() as scratch:
             for i in range(count):
@@ -183,10 +178,9 @@ def main() -> None:
                 problem = ctrl_c_at_start(folder) if launcher == "ctrl_c" else one_run(launcher, folder)
                 clean += not problem
                 if problem:
-                    print(f"{launcher} run {i + 1}: {problem}", flush=True)
-        seconds = time.monotonic() - started
+                    print(f"{launcher} run {i + 1}: {problem}")
         clean_means = "exit 130, one line" if launcher == "ctrl_c" else "exit 0, no abort line, full CSV"
-        print(f"{launcher}: {clean} of {count} runs clean ({clean_means}) in {seconds:.0f} s")
+        print(f"{launcher}: {clean} of {count} runs clean ({clean_means}) in {time.monotonic() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -66,9 +66,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (seed pipeline and ceiling)")
     parser.add_argument("--compiled", choices=["auto", "yes", "no"], default="auto", help="(b') too; auto: on GPUs")
-    parser.add_argument(
-        "--precision", default="auto", help="(b) and (c) in this PRECISION (fp32: even if bf16 is fast)"
-    )
+    parser.add_argument("--precision", default="auto", help="(b) and (c) in this PRECISION (fp32 even if bf16 is fast)")
     parser.add_argument("--skip_seed", action="store_true", help="only (b) and (c)")
     parser.add_argument("--optimizer", default="", help="(b) and (c) with this OPTIMIZER, not the default one")
     parser.add_argument("--results", default="", help="a JSON file of the figures so far, rewritten after each one")
@@ -79,13 +77,8 @@ class Results:
     """Each figure printed as it comes, and kept in --results (rewritten whole: a cut run leaves the figures so far)."""
 
     def __init__(self, path: str, flops_per_image: float, peak_tflops: float | None, world_size: int) -> None:
-        self.path, self.flops, self.peak, self.world_size, self.figures = (
-            path,
-            flops_per_image,
-            peak_tflops,
-            world_size,
-            {},
-        )
+        self.path, self.flops, self.peak, self.world_size = path, flops_per_image, peak_tflops, world_size
+        self.figures: dict[str, Any] = {}
 
     def mfu(self, images_per_second: float) -> str:
         if not self.peak:
@@ -114,13 +107,6 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (GPUs run asynchronously; CPUs have nothing queued)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def all_ranks_peak_memory_mb(device: torch.device) -> float:
-    """DDP: every rank. The largest rank's peak memory, as the project's CSV reports it."""
-    peak = torch.tensor([files.peak_memory_mb(device)], device=device)
-    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-    return peak.item()
 
 
 # ----------------------------------------------------------------------------- (a) the seed's pipeline
@@ -181,9 +167,10 @@ def seed_pipeline(args: argparse.Namespace, best: bool, result_path: str, bf16: 
             started = time.perf_counter()
     synchronize(info.device)
     seconds = time.perf_counter() - started
-    memory = all_ranks_peak_memory_mb(info.device)  # DDP: every rank
+    memory = torch.tensor([files.peak_memory_mb(info.device)], device=info.device)
+    torch.distributed.all_reduce(memory, op=torch.distributed.ReduceOp.MAX)  # DDP: every rank; the largest, as the CSV
     if info.is_main:
-        Path(result_path).write_text(f"{args.steps * args.batch_size / seconds} {memory}")
+        Path(result_path).write_text(f"{args.steps * args.batch_size / seconds} {memory.item()}")
     del loader, model, optimizer  # the loader's workers end before the group is left
     distribute_tools.cleanup()
 
@@ -206,21 +193,10 @@ def run_project(args: argparse.Namespace, world_size: int, compile: bool) -> dic
     """`python train_distribute.py` on synthetic data: epoch 2's images/s and peak memory from its CSV, its
     precision from its first line, and the wall clock from launch to its first epoch line."""
     with tempfile.TemporaryDirectory() as out:
-        command = [
-            sys.executable,
-            "-u",
-            str(ROOT / "train_distribute.py"),
-            "--dataset=synthetic",
-            f"--synthetic_size={args.steps * args.batch_size}",
-            f"--width={args.width}",
-            f"--batch_size={args.batch_size}",
-            f"--world_size={world_size}",
-            "--epochs=2",
-            f"--output_dir={out}",
-            f"--compile={compile}",
-            f"--precision={args.precision}",
-            *optimizer_setting(args),
-        ]
+        command = [sys.executable, "-u", str(ROOT / "train_distribute.py"), "--dataset=synthetic", "--epochs=2"]
+        command += [f"--synthetic_size={args.steps * args.batch_size}", f"--width={args.width}", f"--compile={compile}"]
+        command += [f"--batch_size={args.batch_size}", f"--world_size={world_size}", f"--output_dir={out}"]
+        command += [f"--precision={args.precision}", *optimizer_setting(args)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RESNET_DDP_", "TORCHELASTIC_"))}
         started, first_epoch, lines = time.monotonic(), None, []
         with subprocess.Popen(
@@ -234,14 +210,14 @@ def run_project(args: argparse.Namespace, world_size: int, compile: bool) -> dic
             sys.exit(f"the project's training failed (exit {process.returncode}): " + " | ".join(lines[-3:]))
         rows = pd.read_csv(os.path.join(out, files.CSV_NAME))
     precision = next((re.search(r"\| (bf16|fp16|fp32)", line)[1] for line in lines if "| global batch" in line), "?")
-    last = rows.iloc[-1]
+    last, epoch_1 = rows.iloc[-1], float(rows["epoch_seconds"].iloc[0])
     return {
         "images_per_second": float(last["images_per_second"]),
         "peak_memory_mb": float(last["peak_memory_mb"]),
         "precision": precision,
         "first_epoch_end": first_epoch,
-        "first_step": first_epoch - float(rows["epoch_seconds"].iloc[0]),
-        "first_epoch_seconds": float(rows["epoch_seconds"].iloc[0]),
+        "first_step": first_epoch - epoch_1,
+        "first_epoch_seconds": epoch_1,
     }
 
 
@@ -257,8 +233,7 @@ def compute_ceiling(args: argparse.Namespace, memory_format: torch.memory_format
     device, _ = choose_device(0, 1, gpu_count())
     torch.set_num_threads(cores())
     torch.backends.cudnn.benchmark = True  # as the project sets it
-    model = ResNet(args.width)
-    model = model.to(device, memory_format=memory_format)
+    model = ResNet(args.width).to(device, memory_format=memory_format)
     precision = start.precision(device, args.precision, model, 32)  # as the run's
     cfg = settings.read(td, [f"--batch_size={args.batch_size}", *optimizer_setting(args)])
     optimizer = muon.make_optimizer(cfg, model, td.peak_lr(cfg), device, precision.startswith("bf16"))
@@ -334,11 +309,10 @@ def main() -> None:
         flush=True,
     )
     peak = next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), None)
-    results = Results(args.results, training_flops_per_image(args.width), peak, world_size)
+    flops = training_flops_per_image(args.width)
+    results = Results(args.results, flops, peak, world_size)
     if peak:
-        print(
-            f"MFU: {results.flops / 1e9:.2f} GFLOP per training image against {peak:.0f} TFLOP/s per GPU (dense bf16)"
-        )
+        print(f"MFU: {flops / 1e9:.2f} GFLOP per training image against {peak:.0f} TFLOP/s per GPU (dense bf16)")
     speeds: dict[str, float] = {}
     seeds = [("a", "(a)   seed pipeline", False, False), ("a'", "(a')  seed at its best", True, False)]
     if bf16_fast:  # elsewhere the project trains in fp32 too, and emulated bf16 is no baseline
@@ -347,40 +321,28 @@ def main() -> None:
         speeds[key], memory = run_seed_pipeline(args, world_size, best, bf16)
         line = f"{label:<44}{speeds[key]:10,.0f} images/s   peak memory {memory:8,.0f} MiB"
         results.add(key, line, images_per_second=speeds[key], peak_memory_mb=memory)
-    eager_first_epoch = None
-    for key, compile in [("b", False)] + ([("b'", True)] if compiled else []):
+    projects = [("b", "(b)   this project", False), ("b'", "(b')  this project, compiled", True)]
+    for key, label, compile in projects[: 1 + compiled]:
         ours = run_project(args, world_size, compile)
         speeds[key] = ours["images_per_second"]
-        label = "(b)   this project" if key == "b" else "(b')  this project, compiled"
         line = f"{label:<44}{speeds[key]:10,.0f} images/s   peak memory {ours['peak_memory_mb']:8,.0f} MiB"
         line += f" ({ours['precision']})"
         if compile:
-            ours["compile_seconds"] = ours["first_epoch_seconds"] - eager_first_epoch
+            ours["compile_seconds"] = ours["first_epoch_seconds"] - results.figures["b"]["first_epoch_seconds"]
             line += f"; compile time {ours['compile_seconds']:.1f} s (epoch 1 beyond the eager run's)"
-        eager_first_epoch = eager_first_epoch or ours["first_epoch_seconds"]
         results.add(key, line, **ours)
-        print(
-            f"      launch to first epoch end {ours['first_epoch_end']:.1f} s (the command's wall clock to its epoch 1 "
-            f"line), of which before epoch 1's first step {ours['first_step']:.1f} s",
-            flush=True,
-        )
+        launch = f"launch to first epoch end {ours['first_epoch_end']:.1f} s (the command's wall clock to its epoch 1"
+        print(f"      {launch} line), of which before epoch 1's first step {ours['first_step']:.1f} s", flush=True)
     # One GPU per rank: the ceiling of N GPUs is N times one GPU's. CPU ranks share the cores the ceiling used.
     scale = world_size if device.type == "cuda" else 1
     speeds["c"] = compute_ceiling(args, torch.channels_last) * scale  # the project's layout
     other = compute_ceiling(args, torch.contiguous_format) * scale
-    line = (
-        f"{'(c)   compute ceiling':<44}{speeds['c']:10,.0f} images/s   (the project's layout; contiguous: {other:,.0f})"
-    )
+    label = "(c)   compute ceiling"
+    line = f"{label:<44}{speeds['c']:10,.0f} images/s   (the project's layout; contiguous: {other:,.0f})"
     results.add("c", line, images_per_second=speeds["c"], contiguous_images_per_second=other)
-    ratios = {
-        f"({b})/({a})": speeds[b] / speeds[a]
-        for b in ("b", "b'")
-        for a in ("a", "a'", "a''")
-        if b in speeds and a in speeds
-    }
-    ratios["(b)/(c)"] = speeds["b"] / speeds["c"]
+    pairs = [(b, a) for b in ("b", "b'") for a in ("a", "a'", "a''") if b in speeds and a in speeds] + [("b", "c")]
+    results.figures["ratios"] = ratios = {f"({b})/({a})": speeds[b] / speeds[a] for b, a in pairs}
     print(" | ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items()), flush=True)
-    results.figures["ratios"] = ratios
     results.add("epoch", "epoch of 50,000 images: " + ", ".join(f"({k}) {50_000 / v:.2f} s" for k, v in speeds.items()))
 
 

@@ -31,8 +31,7 @@ class ResultWriter:
     wait() blocks until the previous epoch's files are on disk, so a kill -9 loses at most the epoch in flight."""
 
     def __init__(self, output_dir: str, tensorboard: bool = False, first_epoch: int = 1) -> None:
-        self.output_dir = output_dir
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
+        self.output_dir, self.pool = output_dir, ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
         self.pending: Future | None = None
         self.saved: list[dict] = []  # the rows whose checkpoint and CSV are on disk
         self.plotted, self.next_plot, self.events = 0, 0.0, None
@@ -126,9 +125,9 @@ def plot(history: list[dict], output_dir: str) -> None:
 
     rows, figure = pd.DataFrame(history).set_index("epoch"), Figure(figsize=(13, 3.8))
     loss, accuracy, lr = figure.subplots(1, 3, gridspec_kw={"left": 0.05, "right": 0.99, "bottom": 0.14, "wspace": 0.2})
-    rows.filter(["loss", "test_loss", "val_loss"]).plot(
+    rows.filter(regex="loss$").plot(
         ax=loss, style="o-", title="Loss (train: label-smoothed)", grid=True
-    )
+    )  # and test, val
     best = f"Accuracy, % (best {(key := best_row(history)[0])} {100 * rows[key].max():.2f})"
     styles = {"acc": "o-", "val_acc": "o-", "train_acc": "--"}  # the columns there are: val_acc with HOLDOUT
     (100 * rows.filter(list(styles))).plot(ax=accuracy, style=styles, title=best, grid=True)

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import typing
+from functools import partial
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -24,7 +25,7 @@ LIMITS |= {"MOMENTUM": (0, 0.999), "WEIGHT_DECAY": (0, 1), "LR": (1e-12, None), 
 BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 KINDS = {int: "an integer, e.g. 1", float: "a number, e.g. 0.1", bool: "True or False", str: "text"}
 DEFAULTS: dict[str, Any] = {}  # each setting's value in the file, as read() found it
-GIVEN: set[str] = set()  # the settings that the command line gave, as the last read() found them
+GIVEN: list[str] = []  # the settings that the command line gave, as the last read() found them
 
 
 def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
@@ -43,26 +44,17 @@ def read(script: ModuleType, argv: list[str]) -> SimpleNamespace:
         DEFAULTS[name] = default
         help_text = f"{comments.get(name, '')} (default: {default})".replace("%", "%%")
         bare = {"nargs": "?", "const": True} if kind is bool else {}  # a bare --resume means True
-        option = {"type": _converter(name, kind), "default": default, "choices": choices, "help": help_text}
+        option = {"type": partial(_convert, name, kind), "default": default, "choices": choices, "help": help_text}
         option["metavar"] = None if choices else kind.__name__.upper()  # --help: the type, or the choices
         parser.add_argument(f"--{name.lower()}", dest=name, **option, **bare)
     cfg = SimpleNamespace(**vars(parser.parse_args(argv)))
-    GIVEN.clear()
-    GIVEN.update(name for name in DEFAULTS if any(a.partition("=")[0] == f"--{name.lower()}" for a in argv))
+    GIVEN[:] = [name for name in DEFAULTS if any(a.partition("=")[0] == f"--{name.lower()}" for a in argv)]
     for name, (low, high) in LIMITS.items():
         value = getattr(cfg, name, None)
         if value is not None and not (low <= value and (high is None or value <= high)):
             where = "at the top of train_distribute.py" if value == DEFAULTS[name] else "on the command line"
             allowed = f"from {low} to {high}" if high is not None else f"at least {low}"
             raise UserError(f"{name}={value!r} {where} is out of range: it must be {allowed}")
-    return cfg
-
-
-def read_and_check(script: ModuleType, argv: list[str]) -> SimpleNamespace:
-    """The settings once they pass every check that needs no rank: in the launcher, and in each torchrun rank."""
-    cfg = check(read(script, argv))
-    if cfg.INIT_FROM and not cfg.RESUME and not os.path.isfile(cfg.INIT_FROM):  # a resume has weights of its own
-        raise UserError(f"INIT_FROM {cfg.INIT_FROM} is no file; give a run's checkpoint.pt or a state_dict file")
     return cfg
 
 
@@ -82,6 +74,8 @@ def check(cfg: SimpleNamespace, resuming: bool = False) -> SimpleNamespace:
         raise UserError(f"IMAGE_SIZE={cfg.IMAGE_SIZE} but CIFAR-10's images are 32x32; use --image_size 32")
     if cfg.TENSORBOARD and importlib.util.find_spec("tensorboard") is None:
         raise UserError("TENSORBOARD=True needs the tensorboard package: pip install tensorboard, or leave it False")
+    if cfg.INIT_FROM and not (cfg.RESUME or resuming) and not os.path.isfile(cfg.INIT_FROM):  # a resume has weights
+        raise UserError(f"INIT_FROM {cfg.INIT_FROM} is no file; give a run's checkpoint.pt or a state_dict file")
     return cfg
 
 
@@ -110,17 +104,14 @@ def resumed(cfg: SimpleNamespace, saved: dict[str, Any], restart: str = "") -> t
     return check(SimpleNamespace(**merged), resuming=True), lines
 
 
-def _converter(name: str, kind: type) -> Any:
-    def convert(text: str) -> Any:
-        try:
-            value = BOOLEANS[text.lower()] if kind is bool else kind(text)
-            if kind is float and not math.isfinite(value):
-                raise ValueError
-            return value
-        except (KeyError, ValueError):
-            raise UserError(f"--{name.lower()}={text} is not {KINDS[kind]}") from None
-
-    return convert
+def _convert(name: str, kind: type, text: str) -> Any:
+    try:
+        value = BOOLEANS[text.lower()] if kind is bool else kind(text)
+        if kind is float and not math.isfinite(value):
+            raise ValueError
+        return value
+    except (KeyError, ValueError):
+        raise UserError(f"--{name.lower()}={text} is not {KINDS[kind]}") from None
 
 
 class _OneLineParser(argparse.ArgumentParser):

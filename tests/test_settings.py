@@ -287,7 +287,7 @@ def test_a_resume_is_checked_with_the_checkpoints_batch_and_a_refusal_names_it_a
     does not split over the ranks now is refused naming the checkpoint's value and the settings a resume may change."""
     saved = vars(read_config(["--batch_size=48", "--accumulate=1"]))
     block = edited_copy(tmp_path, monkeypatch, "BATCH_SIZE", "512")
-    assert settings.read_and_check(block, ["--resume", "--world_size=3", "--accumulate=1"]).BATCH_SIZE == 512
+    assert settings.check(settings.read(block, ["--resume", "--world_size=3", "--accumulate=1"])).BATCH_SIZE == 512
     assert resumed(["--resume", "--world_size=3"], saved)[0].BATCH_SIZE == 48
     with pytest.raises(UserError) as refusal:
         resumed(["--resume", "--world_size=5"], saved)
@@ -296,7 +296,7 @@ def test_a_resume_is_checked_with_the_checkpoints_batch_and_a_refusal_names_it_a
         "--accumulate that splits it"
     )
     with pytest.raises(UserError, match="^BATCH_SIZE=512 does not split evenly over 3 ranks; use a multiple$"):
-        settings.read_and_check(block, ["--world_size=3", "--accumulate=1"])  # a new run: the block's value
+        settings.check(settings.read(block, ["--world_size=3", "--accumulate=1"]))  # a new run: the block's value
 
 
 # ----------------------------------------------------------------------------- the learning rate
