@@ -26,10 +26,10 @@ def two_epochs(out_dir: str, compile: str) -> int:
     from benchmarks.launches import join_group
 
     run = td.build_run(settings.read(td, [*SMALL, "--world_size=1", f"--compile={compile}"]), join_group())
-    (loss_1, correct_1, images), _, lr_1 = td.train_epoch(run, 1)
+    (loss_1, correct_1, images), _, lr_1, _ = td.train_epoch(run, 1)
     graphs = dict(torch._dynamo.utils.counters["stats"])
     torch._dynamo.config.error_on_recompile = True
-    (loss_2, correct_2, _), _, lr_2 = td.train_epoch(run, 2)
+    (loss_2, correct_2, _), _, lr_2, _ = td.train_epoch(run, 2)
     figures = {"loss": [loss_1 / images, loss_2 / images], "lr": [lr_1, lr_2], "graphs": graphs}
     figures["breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     if compile == "True":  # what the one graph holds
