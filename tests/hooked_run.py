@@ -13,11 +13,15 @@ environment asks, and ranks forked from the launcher inherit them):
     TEST_OUT_OF_MEMORY=2                  rank 0 runs out of GPU memory (torch's error) as epoch 2 begins
     TEST_STREAM=1                         image folders stream from their files, as those too large for memory do
 
+Every rank of a test that still runs after HANG_DUMP seconds prints the stacks of its threads to its stderr (a hang
+that comes once in many runs is found in the failed test's output).
+
 Run as torchrun's script (`torchrun ... tests/hooked_run.py ARGS`, forked from the test server), it is
 train_distribute.py with those hooks.
 """
 
 import errno
+import faulthandler
 import importlib.util
 import os
 import sys
@@ -38,7 +42,11 @@ OUT_OF_MEMORY = (  # as torch says it, where another process holds most of the G
 )
 
 
+HANG_DUMP = 200  # seconds: a test's rank alive this long hangs (the tests wait 240 s): every thread's stack on stderr
+
+
 def install_hooks() -> None:
+    run_rank = failures.run_rank
     write, close, build_run, make_model, main_worker, train_epoch = (
         files.ResultWriter._write,
         files.ResultWriter.close,
@@ -80,6 +88,10 @@ def install_hooks() -> None:
             raise torch.cuda.OutOfMemoryError(OUT_OF_MEMORY)
         return train_epoch(run, epoch)
 
+    def hooked_run_rank(body) -> int:
+        faulthandler.dump_traceback_later(HANG_DUMP)  # (a rare hang, found in a failed test's output)
+        return run_rank(body)
+
     def hooked_main_worker(cfg) -> None:
         if os.environ.get("TEST_PIDS"):
             Path(os.environ["TEST_PIDS"], f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
@@ -94,6 +106,7 @@ def install_hooks() -> None:
     train_distribute.build_run = hooked_build_run
     train_distribute.make_model = hooked_make_model
     train_distribute.main_worker = hooked_main_worker
+    failures.run_rank = hooked_run_rank
     train_distribute.train_epoch = hooked_train_epoch
 
 
