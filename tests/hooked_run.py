@@ -78,10 +78,7 @@ def install_hooks() -> None:
 
     def hooked_make_model(cfg, num_classes: int) -> nn.Module:
         own = os.environ.get("TEST_OWN_NETWORK")
-        model = ResNet(int(own), num_classes) if own else make_model(cfg, num_classes)
-        if os.environ.get("TEST_DROPOUT"):
-            model = nn.Sequential(nn.Dropout(float(os.environ["TEST_DROPOUT"])), model)
-        return model
+        return with_dropout(ResNet(int(own), num_classes) if own else make_model(cfg, num_classes))
 
     def hooked_train_epoch(run, epoch: int):
         if run.info.rank == 0 and epoch == int(os.environ.get("TEST_OUT_OF_MEMORY", "0")):
@@ -110,12 +107,20 @@ def install_hooks() -> None:
     train_distribute.train_epoch = hooked_train_epoch
 
 
+def with_dropout(model: nn.Module) -> nn.Module:
+    """TEST_DROPOUT: the network with dropout on its input (randomness in its forward); else the network."""
+    dropout = os.environ.get("TEST_DROPOUT")
+    return nn.Sequential(nn.Dropout(float(dropout)), model) if dropout else model
+
+
 def edited_copy(path: str, *argv: str) -> int:
     """`python PATH *argv`, PATH a copy of train_distribute.py that a test edited (call it from the test server): its
-    ranks forked from it. The files' hooks act; train_distribute's act on the original alone."""
+    ranks forked from it. The files' hooks act, and TEST_DROPOUT; the others act on the original alone."""
     spec = importlib.util.spec_from_file_location("edited_train_distribute", path)
     sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)  # the copy reads its settings from itself
     spec.loader.exec_module(module)
+    make_model = module.make_model
+    module.make_model = lambda cfg, num_classes: with_dropout(make_model(cfg, num_classes))
     return module.main(list(argv), entrypoint=module.main)
 
 

@@ -459,29 +459,39 @@ def test_kill_9_then_resume_gives_every_epoch_once_and_the_same_numbers(killed_t
     assert not list(folder.glob("previous-*")), "the resumed run moved its own results aside"
 
 
+GRAD_NORM = 'run.step_sums["grad_norm_t"] += torch.nn.utils.clip_grad_norm_(run.model.parameters(), math.inf)'
+
+
 def stopped_with_dropout(loader: str) -> SimpleNamespace:
     """A network with dropout on its input (TEST_DROPOUT) trained without a stop, and the same run stopped by SIGTERM
-    during epoch 2's files and resumed: a scenario, in the background. Streamed, the runs decode in the rank (no fork
+    during epoch 2's files and resumed: a scenario, in the background. "memory": a copy of the script with README's
+    one edit in train_step (GRAD_NORM, before the optimizer step). Streamed, the runs decode in the rank (no fork
     server) until the resume, which has a worker per reader: workers change no number. "fp16": the memory loader's
     run in fp16 autocast, its loss scaled (the scaler's state is in the checkpoint)."""
     tmp = Path(tempfile.mkdtemp(prefix="dropout-"))
     args = [*SHORT, "--precision=fp16"] if loader == "fp16" else [*SHORT, "--precision=auto"]
     args = [*tiny_stream_args(), "--epochs=4"] if loader == "stream" else args
+    edited, copy = {"call": "tests.hooked_run:edited_copy"} if loader == "memory" else {}, tmp / "train_distribute.py"
+    if edited:  # the copy's path first: edited_copy's argument
+        step = "    run.scaler.step(run.optimizer)\n"
+        copy.write_text(SCRIPT.read_text().replace(step, f"    {GRAD_NORM}\n{step}", 1))
+        args = [str(copy), *args]
     alone, stopped = tmp / "alone", tmp / "stopped"
     env = clean_env(TEST_DROPOUT="0.3", TEST_STREAM="1" if loader == "stream" else "")  # tiny_stream fits in memory
-    uninterrupted = launch(*args, f"--output_dir={alone}", env=env, nice=BACKGROUND)
+    uninterrupted = launch(*args, f"--output_dir={alone}", env=env, nice=BACKGROUND, **edited)
     env_stopped = {**env, "TEST_SLOW_EPOCH": "2", "TEST_MARKER": str(tmp / "m")}
-    run = launch(*args, f"--output_dir={stopped}", env=env_stopped, nice=BACKGROUND)
+    run = launch(*args, f"--output_dir={stopped}", env=env_stopped, nice=BACKGROUND, **edited)
     wait_for_marker(tmp / "m", run)  # epoch 1 is in the CSV, epoch 2's files are being written
     os.kill(run.pid, signal.SIGTERM)
     code, kept = run.wait(HANG_TIMEOUT), checkpoint_epoch(stopped)
     first = lines(uninterrupted.communicate(timeout=HANG_TIMEOUT)[0])[0]
     workers = ["--num_workers=1"] if loader == "stream" else []
-    resumed = launch(*args, *workers, f"--output_dir={stopped}", "--resume=True", env=env, nice=BACKGROUND)
+    resumed = launch(*args, *workers, f"--output_dir={stopped}", "--resume=True", env=env, nice=BACKGROUND, **edited)
     resumed_out, resumed_err = resumed.communicate(timeout=HANG_TIMEOUT)
     return SimpleNamespace(
         code=code, kept=kept, alone=alone, stopped=stopped, first=first, uninterrupted=uninterrupted.returncode,
         resumed=resumed.returncode, resumed_err=resumed_err, resumed_out=resumed_out,
+        edited=copy.read_text() if edited else "",
     )  # fmt: skip
 
 
@@ -504,39 +514,16 @@ def test_a_network_with_dropout_stopped_by_sigterm_and_resumed_gives_the_same_nu
     assert_same_epochs(done.stopped, done.alone)
 
 
-GRAD_NORM = 'run.step_sums["grad_norm_t"] += torch.nn.utils.clip_grad_norm_(run.model.parameters(), math.inf)'
-
-
-def stopped_with_a_step_column() -> SimpleNamespace:
-    """README's one edit in train_step (GRAD_NORM, before the optimizer step) in a copy of the script; its run without
-    a stop, and stopped by SIGTERM during epoch 2's files and resumed: a scenario, in the background."""
-    tmp = Path(tempfile.mkdtemp(prefix="step-column-"))
-    step = "    run.scaler.step(run.optimizer)\n"
-    (copy := tmp / "train_distribute.py").write_text(SCRIPT.read_text().replace(step, f"    {GRAD_NORM}\n{step}", 1))
-    alone, stopped, args = tmp / "alone", tmp / "stopped", [str(copy), *SHORT, "--epochs=3"]
-    uninterrupted = launch(*args, f"--output_dir={alone}", call="tests.hooked_run:edited_copy", nice=BACKGROUND)
-    env = clean_env(TEST_SLOW_EPOCH="2", TEST_MARKER=str(tmp / "m"))
-    run = launch(*args, f"--output_dir={stopped}", call="tests.hooked_run:edited_copy", env=env, nice=BACKGROUND)
-    wait_for_marker(tmp / "m", run)  # epoch 1 is in the CSV, epoch 2's files are being written
-    os.kill(run.pid, signal.SIGTERM)
-    code = run.wait(HANG_TIMEOUT)
-    resumed = launch(
-        *args, f"--output_dir={stopped}", "--resume=True", call="tests.hooked_run:edited_copy", nice=BACKGROUND
-    )
-    outputs = [process.communicate(timeout=HANG_TIMEOUT) for process in (uninterrupted, resumed)]
-    return SimpleNamespace(code=code, alone=alone, stopped=stopped, outputs=outputs, edited=copy.read_text())
-
-
-@needs((stopped_with_a_step_column,))
+@needs((stopped_with_dropout, "memory"))
 def test_a_value_of_each_step_is_a_csv_column_with_one_edit_and_a_resume_gives_the_same_values():
     """README's table: `run.step_sums["name"] += value` in train_step adds the column `name`, the mean of the value over
     the epoch's steps on every rank (here the gradient norm, the same on every rank), exact after a resume."""
-    done = scenario(stopped_with_a_step_column)
-    assert done.edited.count(GRAD_NORM) == 1 and done.code == 75
-    assert [out[1] for out in done.outputs] == ["", ""], done.outputs
+    done = scenario(stopped_with_dropout, "memory")
+    assert done.edited.count(GRAD_NORM) == 1 and done.code == 75 and done.resumed == 0, done.resumed_err
     norms = pd.read_csv(done.alone / files.CSV_NAME)["grad_norm_t"]  # a name of the test's own, beside a user's
-    assert len(norms) == 3 and norms.between(1e-3, 1e3).all() and norms.nunique() == 3, norms
-    assert_same_epochs(done.stopped, done.alone)
+    assert len(norms) == 5 and norms.between(1e-3, 1e3).all() and norms.nunique() == 5, norms
+    resumed = pd.read_csv(done.stopped / files.CSV_NAME)["grad_norm_t"]
+    assert resumed.tolist() == pytest.approx(norms.tolist(), rel=1e-5)
 
 
 @needs((killed_and_resumed,))
