@@ -64,6 +64,7 @@ def world_size(requested: int) -> int:
 def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args: Any) -> None:
     """`entrypoint` (a program such as sys.executable, or a function) with `args` in `world_size` ranks here, through
     torchrun's engine: ChildFailedError when a rank fails (the others stopped), SignalException when we are stopped."""
+    own_tmpdir = os.environ.get("TMPDIR")  # this process's own, given back as the run ends (a notebook goes on)
     logs = tempfile.TemporaryDirectory(prefix="torchelastic_")  # the agent's folder, removed as the run ends, and the
     os.environ["TMPDIR"] = logs.name  # ranks' TMPDIR: their temporary files (multiprocessing's, torch's) go with it
     default = os.path.join(os.path.dirname(logs.name), f"torchinductor_{getpass.getuser()}")  # torch's own place
@@ -85,6 +86,7 @@ def run_distribute(entrypoint: Callable[..., Any] | str, world_size: int, *args:
     finally:
         with contextlib.suppress(OSError):  # made by torch._dynamo's import in the ranks, and empty: removed
             os.rmdir(inductor) if made else None
+        os.environ.pop("TMPDIR") if own_tmpdir is None else os.environ.update(TMPDIR=own_tmpdir)
 
 
 def choose_device(local_rank: int, local_world_size: int, gpus: int) -> tuple[torch.device, str]:

@@ -125,9 +125,7 @@ def plot(history: list[dict], output_dir: str) -> None:
 
     rows, figure = pd.DataFrame(history).set_index("epoch"), Figure(figsize=(13, 3.8))
     loss, accuracy, lr = figure.subplots(1, 3, gridspec_kw={"left": 0.05, "right": 0.99, "bottom": 0.14, "wspace": 0.2})
-    rows.filter(regex="loss$").plot(
-        ax=loss, style="o-", title="Loss (train: label-smoothed)", grid=True
-    )  # and test, val
+    rows.filter(regex="loss$").plot(ax=loss, style="o-", title="Loss (train: label-smoothed)", grid=True)  # test, val
     best = f"Accuracy, % (best {(key := best_row(history)[0])} {100 * rows[key].max():.2f})"
     styles = {"acc": "o-", "val_acc": "o-", "train_acc": "--"}  # the columns there are: val_acc with HOLDOUT
     (100 * rows.filter(list(styles))).plot(ax=accuracy, style=styles, title=best, grid=True)
